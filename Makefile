@@ -1,0 +1,45 @@
+# DSpark-on-Kubernetes. `make demo` serves the embedded default model; `make test` runs
+# every test. Caches live outside the repo in $(DSPARK_CACHE).
+SHELL := /bin/bash
+DSPARK_CACHE ?= $(HOME)/.cache/dspark
+export DSPARK_CACHE
+MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+PORT ?= 8000
+CARGO ?= cargo
+
+.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e
+
+build:
+	$(CARGO) build --release --workspace
+
+setup:
+	scripts/setup.sh
+
+demo: build
+	scripts/fetch-models.sh
+	scripts/demo.sh "$(MODEL)" "$(PORT)"
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test --release --workspace
+
+python-test:
+	python3 -m pytest -q tests/python
+
+test: setup build lint unit python-test
+
+cluster-up:
+	tests/cluster/cluster.sh up
+
+cluster-down:
+	tests/cluster/cluster.sh down
+
+print-kubeconfig:
+	@tests/cluster/cluster.sh kubeconfig
+
+e2e: build
+	tests/cluster/cluster.sh up
+	tests/cluster/smoke.sh

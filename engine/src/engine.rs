@@ -1,0 +1,531 @@
+//! The step loop: continuous batching over one model and one paged KV cache.
+//!
+//! Requests join and leave between steps. Each step builds ONE batched target forward from
+//! the decoding sequences (one pending token each) and prefill chunks of new prompts under a
+//! token budget, samples, detokenizes, applies stop conditions and streams events back.
+//! A sequence whose client went away is dropped (and its KV blocks freed) at the next step.
+//! When the cache runs out of blocks, the youngest sequence is preempted and recomputed later.
+
+use crate::kv::KvCache;
+use crate::metrics::{FinishLabel, Metrics};
+use crate::model::{Model, SeqBatch};
+use crate::sampling::{logprobs, target_probs, SamplingParams};
+use crate::tokenizer::{StreamDecoder, TextTokenizer};
+use anyhow::Result;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most tokens (B) in one target forward.
+    pub max_batch_tokens: usize,
+    /// Largest prefill chunk of one prompt per step.
+    pub prefill_chunk: usize,
+    pub max_running: usize,
+    /// Admission queue bound; past it requests are refused (HTTP 429).
+    pub max_waiting: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_tokens: 512,
+            prefill_chunk: 256,
+            max_running: 64,
+            max_waiting: 256,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub text: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// New text (possibly empty while a stop string is undecided) and the tokens behind it.
+    Delta {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+    },
+    Error(String),
+}
+
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    /// `Some(k)`: report each token's logprob and the k most likely alternatives.
+    pub logprobs: Option<usize>,
+    pub events: UnboundedSender<Event>,
+    pub arrived: Instant,
+}
+
+/// The HTTP side's handle on the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<GenRequest>,
+    pub waiting: Arc<AtomicUsize>,
+    pub running: Arc<AtomicUsize>,
+    pub max_waiting: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the admission queue is full ({0} requests waiting); retry later")]
+    QueueFull(usize),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, req: GenRequest) -> Result<(), SubmitError> {
+        let w = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if w >= self.max_waiting {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(w));
+        }
+        self.tx.send(req).map_err(|_| {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            SubmitError::Stopped
+        })
+    }
+}
+
+struct Seq {
+    req: GenRequest,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Positions whose keys/values are in the cache.
+    cached: usize,
+    blocks: Vec<u32>,
+    rng: ChaCha8Rng,
+    decoder: StreamDecoder,
+    text: String,
+    /// Bytes of `text` already sent.
+    sent: usize,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    queued_metric_done: bool,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+pub struct Engine {
+    pub model: Arc<Model>,
+    tok: Arc<TextTokenizer>,
+    kv: KvCache,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+    rx: Receiver<GenRequest>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    waiting_count: Arc<AtomicUsize>,
+    running_count: Arc<AtomicUsize>,
+}
+
+impl Engine {
+    pub fn new(
+        model: Arc<Model>,
+        tok: Arc<TextTokenizer>,
+        kv: KvCache,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> (Self, EngineHandle) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let handle = EngineHandle {
+            tx,
+            waiting: waiting.clone(),
+            running: running.clone(),
+            max_waiting: cfg.max_waiting,
+        };
+        (
+            Self {
+                model,
+                tok,
+                kv,
+                cfg,
+                metrics,
+                rx,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                waiting_count: waiting,
+                running_count: running,
+            },
+            handle,
+        )
+    }
+
+    /// Largest prompt + max_tokens one request may ask for.
+    pub fn max_sequence_tokens(model: &Model, kv: &KvCache) -> usize {
+        model.max_context().min(kv.capacity_tokens())
+    }
+
+    /// Runs until every handle is dropped and no work is left.
+    pub fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(r) => self.enqueue(r),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            if let Err(e) = self.step() {
+                tracing::error!("engine step failed: {e:#}");
+                for s in self.running.drain(..) {
+                    let _ = s.req.events.send(Event::Error(format!("engine error: {e:#}")));
+                    let mut b = s.blocks;
+                    self.kv.truncate(&mut b, 0);
+                }
+            }
+        }
+    }
+
+    fn enqueue(&mut self, req: GenRequest) {
+        let seed = req.params.seed.unwrap_or_else(rand::random);
+        let prompt_len = req.prompt.len();
+        self.waiting.push_back(Seq {
+            tokens: req.prompt.clone(),
+            prompt_len,
+            cached: 0,
+            blocks: Vec::new(),
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            decoder: StreamDecoder::default(),
+            text: String::new(),
+            sent: 0,
+            first_token: None,
+            last_token: None,
+            queued_metric_done: false,
+            req,
+        });
+    }
+
+    fn publish_counts(&self) {
+        self.waiting_count
+            .store(self.waiting.len(), Ordering::SeqCst);
+        self.running_count
+            .store(self.running.len(), Ordering::SeqCst);
+        self.metrics.waiting.set(self.waiting.len() as i64);
+        self.metrics.running.set(self.running.len() as i64);
+        let used = self.kv.total_blocks() - self.kv.free_blocks();
+        self.metrics
+            .kv_usage
+            .set(used as f64 / self.kv.total_blocks() as f64);
+    }
+
+    fn release(&mut self, s: &mut Seq) {
+        self.kv.truncate(&mut s.blocks, 0);
+        s.cached = 0;
+    }
+
+    /// One engine step. Returns after at most one target forward.
+    pub fn step(&mut self) -> Result<()> {
+        while let Ok(r) = self.rx.try_recv() {
+            self.enqueue(r);
+        }
+        // Clients that went away free their blocks now.
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].req.events.is_closed() {
+                let mut s = self.running.swap_remove(i);
+                self.release(&mut s);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|s| !s.req.events.is_closed());
+        // Admission: oldest first, while the prompt fits in free blocks.
+        while self.running.len() < self.cfg.max_running {
+            let Some(front) = self.waiting.front() else { break };
+            let need = self.kv.blocks_for(front.tokens.len() + 1);
+            let reserved: usize = self.running.len(); // one growth block per running sequence
+            if need + reserved > self.kv.free_blocks() && !self.running.is_empty() {
+                break;
+            }
+            if need > self.kv.free_blocks() {
+                break;
+            }
+            let mut s = self.waiting.pop_front().expect("front exists");
+            if !s.queued_metric_done {
+                self.metrics
+                    .queue_time
+                    .observe(s.req.arrived.elapsed().as_secs_f64());
+                s.queued_metric_done = true;
+            }
+            self.running.push(s);
+        }
+        self.publish_counts();
+        if self.running.is_empty() {
+            return Ok(());
+        }
+
+        // Plan the batch: decoding sequences first (one pending token), then prefill chunks.
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, chunk length)
+        let order: Vec<usize> = {
+            let mut dec: Vec<usize> = (0..self.running.len())
+                .filter(|&i| self.running[i].tokens.len() - self.running[i].cached == 1)
+                .collect();
+            let pre: Vec<usize> = (0..self.running.len())
+                .filter(|&i| self.running[i].tokens.len() - self.running[i].cached > 1)
+                .collect();
+            dec.extend(pre);
+            dec
+        };
+        let mut preempt = Vec::new();
+        for i in order {
+            if budget == 0 {
+                break;
+            }
+            let s = &mut self.running[i];
+            let pending = s.tokens.len() - s.cached;
+            let chunk = pending.min(budget).min(self.cfg.prefill_chunk.max(1));
+            if !self.kv.ensure(&mut s.blocks, s.cached + chunk) {
+                preempt.push(i);
+                continue;
+            }
+            budget -= chunk;
+            plan.push((i, chunk));
+        }
+        if plan.is_empty() && !preempt.is_empty() {
+            // Nothing fits: recompute the youngest sequence later.
+            let i = *preempt.iter().max().expect("non-empty");
+            let mut s = self.running.remove(i);
+            self.release(&mut s);
+            self.metrics.preemptions.inc();
+            self.waiting.push_front(s);
+            return Ok(());
+        }
+        let batch: Vec<SeqBatch> = plan
+            .iter()
+            .map(|&(i, chunk)| {
+                let s = &self.running[i];
+                let end = s.cached + chunk;
+                SeqBatch {
+                    tokens: s.tokens[s.cached..end].to_vec(),
+                    start_pos: s.cached,
+                    block_table: s.blocks.clone(),
+                    num_logits: (end == s.tokens.len()) as usize,
+                }
+            })
+            .collect();
+        let b: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        self.metrics.batch_tokens.observe(b as f64);
+        self.metrics.steps.inc();
+        let out = self.model.forward(&batch, &mut self.kv, &[])?;
+        let logits = if out.logits.dim(0)? > 0 {
+            out.logits.to_vec2::<f32>()?
+        } else {
+            vec![]
+        };
+        let mut row = 0;
+        let mut finished = Vec::new();
+        for (&(i, chunk), sb) in plan.iter().zip(&batch) {
+            let s = &mut self.running[i];
+            let was_prefill = s.cached < s.prompt_len;
+            s.cached += chunk;
+            if was_prefill {
+                let prompt_part = chunk.min(s.prompt_len.saturating_sub(sb.start_pos));
+                self.metrics.prompt_tokens.inc_by(prompt_part as u64);
+            }
+            if sb.num_logits == 0 {
+                continue;
+            }
+            let l = &logits[row];
+            row += 1;
+            let dist = target_probs(l, &s.req.params);
+            let tok = dist.sample(&mut s.rng);
+            if let Some(reason) = self.accept_token(i, tok, l) {
+                finished.push((i, reason));
+            }
+        }
+        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        for (i, reason) in finished {
+            let mut s = self.running.swap_remove(i);
+            self.finish(&mut s, reason);
+        }
+        self.publish_counts();
+        Ok(())
+    }
+
+    /// Appends a sampled token, streams what became final, and says whether the sequence
+    /// is done.
+    fn accept_token(&mut self, i: usize, tok: u32, logits: &[f32]) -> Option<FinishReason> {
+        let now = Instant::now();
+        let tokz = self.tok.clone();
+        let s = &mut self.running[i];
+        match s.last_token {
+            None => self
+                .metrics
+                .ttft
+                .observe((now - s.req.arrived).as_secs_f64()),
+            Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        if s.first_token.is_none() {
+            s.first_token = Some(now);
+        }
+        s.last_token = Some(now);
+        self.metrics.generation_tokens.inc();
+        s.tokens.push(tok);
+        let mut lps = Vec::new();
+        if let Some(k) = s.req.logprobs {
+            let (lp, top) = logprobs(logits, tok, k);
+            lps.push(TokenLogprob {
+                id: tok,
+                text: tokz.token_text(tok),
+                logprob: lp,
+                top: top
+                    .into_iter()
+                    .map(|(id, l)| (tokz.token_text(id), l))
+                    .collect(),
+            });
+        }
+        let is_eos = tokz.stop_ids.contains(&tok);
+        let mut reason = None;
+        if is_eos {
+            reason = Some(FinishReason::Stop);
+        } else {
+            let gen_start = s.prompt_len;
+            let delta = s.decoder.step(&tokz, &s.tokens[gen_start..]);
+            let search_from = s.text.len().saturating_sub(max_len(&s.req.stop));
+            s.text.push_str(&delta);
+            if let Some(cut) = find_stop(&s.text, &s.req.stop, search_from) {
+                s.text.truncate(cut);
+                reason = Some(FinishReason::Stop);
+            } else if s.generated() >= s.req.max_tokens {
+                reason = Some(FinishReason::Length);
+            }
+        }
+        let safe = if reason.is_some() {
+            s.text.len()
+        } else {
+            s.text.len() - holdback(&s.text, &s.req.stop)
+        };
+        let text = if safe > s.sent {
+            let t = s.text[s.sent..safe].to_string();
+            s.sent = safe;
+            t
+        } else {
+            String::new()
+        };
+        if !text.is_empty() || !lps.is_empty() {
+            let _ = s.req.events.send(Event::Delta { text, logprobs: lps });
+        }
+        reason
+    }
+
+    fn finish(&mut self, s: &mut Seq, reason: FinishReason) {
+        self.release(s);
+        self.metrics
+            .e2e
+            .observe(s.req.arrived.elapsed().as_secs_f64());
+        self.metrics
+            .request_success
+            .get_or_create(&FinishLabel {
+                finished_reason: reason.as_str().into(),
+            })
+            .inc();
+        let _ = s.req.events.send(Event::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: s.prompt_len,
+                completion_tokens: s.generated(),
+            },
+        });
+    }
+}
+
+fn max_len(stops: &[String]) -> usize {
+    stops.iter().map(|s| s.len()).max().unwrap_or(0)
+}
+
+/// Byte offset where the earliest stop string starts, searching from `from` (snapped to a
+/// char boundary).
+fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
+    let mut from = from.min(text.len());
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text[from..].find(s.as_str()).map(|i| i + from))
+        .min()
+}
+
+/// Bytes at the end of `text` that might be the start of a stop string and so must not be
+/// streamed yet.
+fn holdback(text: &str, stops: &[String]) -> usize {
+    let mut best = 0;
+    for s in stops {
+        for k in (1..s.len().min(text.len() + 1)).rev() {
+            if k <= best {
+                break;
+            }
+            if text.is_char_boundary(text.len() - k) && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                best = k;
+                break;
+            }
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_and_holdback() {
+        let stops = vec!["\n\n".to_string(), "END".to_string()];
+        assert_eq!(find_stop("abc\n\ndef", &stops, 0), Some(3));
+        assert_eq!(find_stop("abcEN", &stops, 0), None);
+        assert_eq!(holdback("abcEN", &stops), 2);
+        assert_eq!(holdback("abc\n", &stops), 1);
+        assert_eq!(holdback("abc", &stops), 0);
+        assert_eq!(holdback("ééE", &["Eé".to_string()]), 1);
+    }
+}

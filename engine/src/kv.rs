@@ -1,0 +1,135 @@
+//! The paged KV cache: fixed-size blocks of key/value slots for every layer, shared by all
+//! sequences, handed out from a free list under a memory budget.
+//!
+//! The model never owns the cache: a forward gets each sequence's block table (a view) and
+//! writes the new keys/values into the slots it names. Sequences of any length therefore run
+//! in one batched forward, and a finished or cancelled sequence returns its blocks at once.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor};
+
+pub struct KvCache {
+    pub block_size: usize,
+    num_blocks: usize,
+    kv_dim: usize,
+    /// Per layer `[num_blocks * block_size, kv_dim]` f32.
+    pub k: Vec<Tensor>,
+    pub v: Vec<Tensor>,
+    free: Vec<u32>,
+}
+
+impl KvCache {
+    /// Bytes one token's keys and values take over all layers.
+    pub fn bytes_per_token(num_layers: usize, kv_dim: usize) -> usize {
+        num_layers * 2 * kv_dim * 4
+    }
+
+    pub fn new(
+        num_layers: usize,
+        kv_dim: usize,
+        budget_bytes: usize,
+        block_size: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let per_block = Self::bytes_per_token(num_layers, kv_dim) * block_size;
+        let num_blocks = budget_bytes / per_block;
+        if num_blocks == 0 {
+            bail!(
+                "KV cache budget of {budget_bytes} bytes holds no block of {block_size} tokens ({per_block} bytes); raise --kv-cache-mb"
+            );
+        }
+        let slots = num_blocks * block_size;
+        let mut k = Vec::with_capacity(num_layers);
+        let mut v = Vec::with_capacity(num_layers);
+        for _ in 0..num_layers {
+            k.push(Tensor::zeros((slots, kv_dim), DType::F32, device)?);
+            v.push(Tensor::zeros((slots, kv_dim), DType::F32, device)?);
+        }
+        Ok(Self {
+            block_size,
+            num_blocks,
+            kv_dim,
+            k,
+            v,
+            free: (0..num_blocks as u32).rev().collect(),
+        })
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+    pub fn total_blocks(&self) -> usize {
+        self.num_blocks
+    }
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+    pub fn capacity_tokens(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Grows `table` so it can hold `tokens` positions. False (and no change) if the cache
+    /// has too few free blocks.
+    pub fn ensure(&mut self, table: &mut Vec<u32>, tokens: usize) -> bool {
+        let need = self.blocks_for(tokens);
+        if need <= table.len() {
+            return true;
+        }
+        let extra = need - table.len();
+        if extra > self.free.len() {
+            return false;
+        }
+        for _ in 0..extra {
+            table.push(self.free.pop().expect("checked free count"));
+        }
+        true
+    }
+
+    /// Shrinks `table` to the blocks needed for `tokens` positions (rollback of rejected
+    /// draft tokens, or release with `tokens = 0`).
+    pub fn truncate(&mut self, table: &mut Vec<u32>, tokens: usize) {
+        let keep = self.blocks_for(tokens);
+        while table.len() > keep {
+            self.free.push(table.pop().expect("len checked"));
+        }
+    }
+
+    /// Slot index of logical position `pos` in a sequence with block table `table`.
+    pub fn slot(&self, table: &[u32], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_handed_out_and_returned() {
+        let mut kv = KvCache::new(2, 8, 2 * 2 * 8 * 4 * 4 * 10, 4, &Device::Cpu).unwrap();
+        assert_eq!(kv.total_blocks(), 10);
+        let mut a = vec![];
+        assert!(kv.ensure(&mut a, 9));
+        assert_eq!(a.len(), 3);
+        let mut b = vec![];
+        assert!(!kv.ensure(&mut b, 40), "8 tokens over budget must fail");
+        assert!(b.is_empty());
+        assert!(kv.ensure(&mut b, 28));
+        assert_eq!(kv.free_blocks(), 0);
+        kv.truncate(&mut a, 5);
+        assert_eq!(a.len(), 2);
+        assert_eq!(kv.free_blocks(), 1);
+        kv.truncate(&mut b, 0);
+        assert_eq!(kv.free_blocks(), 8);
+        assert_eq!(kv.slot(&a, 5), a[1] as usize * 4 + 1);
+    }
+
+    #[test]
+    fn zero_budget_is_a_clear_error() {
+        let e = KvCache::new(2, 8, 10, 16, &Device::Cpu).err().unwrap();
+        assert!(e.to_string().contains("--kv-cache-mb"));
+    }
+}

@@ -1,0 +1,105 @@
+//! The engine's Prometheus metrics (`dspark_` names; vLLM's set where one exists).
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FinishLabel {
+    pub finished_reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PositionLabel {
+    pub position: u32,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub kv_usage: Gauge<f64, AtomicU64>,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub request_success: Family<FinishLabel, Counter>,
+    pub requests_rejected: Counter,
+    pub batch_tokens: Histogram,
+    pub steps: Counter,
+    pub preemptions: Counter,
+    pub spec_drafts: Counter,
+    pub spec_draft_tokens: Counter,
+    pub spec_accepted_tokens: Counter,
+    pub spec_accepted_per_pos: Family<PositionLabel, Counter>,
+}
+
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+        1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    ]
+}
+
+impl Metrics {
+    pub fn new(model: &str) -> Self {
+        let mut registry = Registry::with_labels(
+            [(std::borrow::Cow::Borrowed("model_name"), std::borrow::Cow::Owned(model.to_string()))]
+                .into_iter(),
+        );
+        let m = Metrics {
+            ttft: Histogram::new(latency_buckets()),
+            itl: Histogram::new(latency_buckets()),
+            e2e: Histogram::new(latency_buckets()),
+            queue_time: Histogram::new(latency_buckets()),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_usage: Gauge::default(),
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            request_success: Family::default(),
+            requests_rejected: Counter::default(),
+            batch_tokens: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+            steps: Counter::default(),
+            preemptions: Counter::default(),
+            spec_drafts: Counter::default(),
+            spec_draft_tokens: Counter::default(),
+            spec_accepted_tokens: Counter::default(),
+            spec_accepted_per_pos: Family::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register("dspark_time_to_first_token_seconds", "Time to first token", m.ttft.clone());
+        r.register("dspark_inter_token_latency_seconds", "Time between output tokens", m.itl.clone());
+        r.register("dspark_e2e_request_latency_seconds", "End-to-end request latency", m.e2e.clone());
+        r.register("dspark_request_queue_time_seconds", "Time spent waiting for admission", m.queue_time.clone());
+        r.register("dspark_num_requests_running", "Requests in the running batch", m.running.clone());
+        r.register("dspark_num_requests_waiting", "Requests waiting for admission", m.waiting.clone());
+        r.register("dspark_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", m.kv_usage.clone());
+        r.register("dspark_prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
+        r.register("dspark_generation_tokens", "Tokens generated", m.generation_tokens.clone());
+        r.register("dspark_request_success", "Finished requests by finish reason", m.request_success.clone());
+        r.register("dspark_requests_rejected", "Requests refused because the admission queue was full", m.requests_rejected.clone());
+        r.register("dspark_batch_tokens", "Tokens (B) in each target forward", m.batch_tokens.clone());
+        r.register("dspark_engine_steps", "Engine steps (target forwards)", m.steps.clone());
+        r.register("dspark_num_preemptions", "Sequences preempted for lack of KV blocks", m.preemptions.clone());
+        r.register("dspark_spec_decode_num_drafts", "Draft blocks proposed", m.spec_drafts.clone());
+        r.register("dspark_spec_decode_num_draft_tokens", "Draft tokens verified", m.spec_draft_tokens.clone());
+        r.register("dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted", m.spec_accepted_tokens.clone());
+        r.register("dspark_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per position", m.spec_accepted_per_pos.clone());
+        Metrics { registry, ..m }
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = String::new();
+        encode(&mut s, &self.registry).expect("metrics encode into a String");
+        s
+    }
+}

@@ -1,0 +1,306 @@
+//! The target model: one decoder forward for Llama, Qwen3 and Gemma 3, on any candle device.
+//!
+//! The model is a pure function of its weights, the new tokens, their positions and a view of
+//! the paged KV cache (each sequence's block table). Many sequences of different lengths run
+//! in ONE batched forward: matmuls see all their tokens as one matrix, attention reads each
+//! sequence's own cache slots. The forward can also return the hidden states of chosen
+//! layers, which the drafter consumes.
+
+pub mod attention;
+pub mod config;
+pub mod weights;
+
+use crate::kv::KvCache;
+use anyhow::{Context, Result};
+use attention::{AttnSeq, PagedAttention};
+use candle_core::{DType, Device, Module, Tensor};
+pub use config::{Activation, Arch, ModelConfig};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+pub use weights::{Embedding, Weights};
+
+/// Where a model came from.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    Gguf(PathBuf),
+    HfDir(PathBuf),
+}
+
+impl ModelSource {
+    pub fn detect(path: &Path) -> Result<Self> {
+        if !path.exists() {
+            anyhow::bail!("model path {} does not exist", path.display());
+        }
+        if path.is_dir() {
+            if !path.join("config.json").exists() {
+                anyhow::bail!(
+                    "{} is a folder without config.json; give a GGUF file or a Hugging Face model folder",
+                    path.display()
+                );
+            }
+            return Ok(ModelSource::HfDir(path.to_path_buf()));
+        }
+        Ok(ModelSource::Gguf(path.to_path_buf()))
+    }
+}
+
+/// One sequence's slice of a batched forward.
+#[derive(Debug, Clone)]
+pub struct SeqBatch {
+    /// New tokens, at positions `start_pos..start_pos + tokens.len()`.
+    pub tokens: Vec<u32>,
+    pub start_pos: usize,
+    /// Block table covering at least `start_pos + tokens.len()` positions.
+    pub block_table: Vec<u32>,
+    /// How many of the LAST new tokens need logits (0 for a mid-prompt chunk, 1 for decode,
+    /// 1 + k to verify k draft tokens).
+    pub num_logits: usize,
+}
+
+pub struct ForwardOutput {
+    /// `[sum(num_logits), vocab]`, rows in sequence order.
+    pub logits: Tensor,
+    /// Hidden states after each requested layer, `[T, hidden]` over all new tokens.
+    pub hidden: Vec<Tensor>,
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub weights: Weights,
+    pub device: Device,
+    /// Short id, e.g. "SmolLM2-135M-Instruct.Q4_1".
+    pub id: String,
+    rope_global: (Tensor, Tensor),
+    rope_local: (Tensor, Tensor),
+    max_rope: usize,
+}
+
+fn rope_table(theta: f64, hd: usize, max_pos: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64) as f32)
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, hd / 2), dev)?;
+    let pos = Tensor::arange(0u32, max_pos as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((max_pos, 1))?;
+    let f = pos.broadcast_mul(&inv)?;
+    Ok((f.cos()?, f.sin()?))
+}
+
+impl Model {
+    /// Loads a GGUF file or a Hugging Face folder. `progress(done, total)` is called as
+    /// tensors load.
+    pub fn load(path: &Path, device: &Device, progress: weights::Progress) -> Result<Self> {
+        let source = ModelSource::detect(path)?;
+        let (cfg, weights) = match &source {
+            ModelSource::Gguf(p) => {
+                let (file, ct) = weights::open_gguf(p)?;
+                let cfg = ModelConfig::from_gguf(&ct)
+                    .with_context(|| format!("{}: unusable model metadata", p.display()))?;
+                let w = weights::load_gguf(p, &cfg, file, &ct, device, progress)?;
+                (cfg, w)
+            }
+            ModelSource::HfDir(d) => {
+                let cfg = ModelConfig::from_hf_config(&d.join("config.json"))?;
+                let w = weights::load_hf(d, &cfg, device, progress)?;
+                (cfg, w)
+            }
+        };
+        let id = path
+            .file_name()
+            .map(|s| s.to_string_lossy().trim_end_matches(".gguf").to_string())
+            .unwrap_or_else(|| "model".into());
+        let max_rope = cfg.max_position.clamp(1, 32_768);
+        let rope_global = rope_table(cfg.rope_theta, cfg.head_dim, max_rope, device)?;
+        let rope_local = if cfg.rope_local_theta != cfg.rope_theta {
+            rope_table(cfg.rope_local_theta, cfg.head_dim, max_rope, device)?
+        } else {
+            rope_global.clone()
+        };
+        Ok(Self {
+            cfg,
+            weights,
+            device: device.clone(),
+            id,
+            rope_global,
+            rope_local,
+            max_rope,
+        })
+    }
+
+    /// Longest sequence (prompt + output) this model instance supports.
+    pub fn max_context(&self) -> usize {
+        self.max_rope
+    }
+
+    /// Token embeddings `[n, hidden]` (scaled for Gemma).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let x = self.weights.embed.forward(ids)?;
+        Ok(if self.cfg.scale_embeddings {
+            (x * (self.cfg.hidden_size as f64).sqrt())?
+        } else {
+            x
+        })
+    }
+
+    /// Final norm + LM head on `[n, hidden]` hidden states.
+    pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
+        let h = candle_nn::ops::rms_norm(h, &self.weights.final_norm, self.cfg.rms_eps as f32)?;
+        Ok(self.weights.lm_head.forward(&h)?)
+    }
+
+    /// One batched forward over all sequences' new tokens. Writes their keys/values into
+    /// the cache slots of their block tables.
+    pub fn forward(
+        &self,
+        batch: &[SeqBatch],
+        kv: &mut KvCache,
+        hidden_layers: &[usize],
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.cfg;
+        let dev = &self.device;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut slots = Vec::new();
+        let mut logit_rows = Vec::new();
+        let mut seqs = Vec::with_capacity(batch.len());
+        for s in batch {
+            let q_start = tokens.len();
+            let end = s.start_pos + s.tokens.len();
+            if end > self.max_rope {
+                anyhow::bail!(
+                    "sequence of {end} tokens exceeds the model's context of {}",
+                    self.max_rope
+                );
+            }
+            tokens.extend_from_slice(&s.tokens);
+            for p in s.start_pos..end {
+                positions.push(p as u32);
+                slots.push(kv.slot(&s.block_table, p) as u32);
+            }
+            let n = s.tokens.len();
+            for i in n - s.num_logits.min(n)..n {
+                logit_rows.push((q_start + i) as u32);
+            }
+            seqs.push(AttnSeq {
+                q_start,
+                q_len: n,
+                q_pos0: s.start_pos,
+                kv_len: end,
+                block_table: s.block_table.clone(),
+            });
+        }
+        let t = tokens.len();
+        let seqs = Arc::new(seqs);
+        let ids = Tensor::new(tokens.as_slice(), dev)?;
+        let pos = Tensor::new(positions.as_slice(), dev)?;
+        let kv_dim = cfg.kv_dim();
+        let slot_idx = Tensor::new(slots.as_slice(), dev)?
+            .reshape((t, 1))?
+            .broadcast_as((t, kv_dim))?
+            .contiguous()?;
+        let cos_g = self.rope_global.0.index_select(&pos, 0)?;
+        let sin_g = self.rope_global.1.index_select(&pos, 0)?;
+        let (cos_l, sin_l) = if cfg.rope_local_theta != cfg.rope_theta {
+            (
+                self.rope_local.0.index_select(&pos, 0)?,
+                self.rope_local.1.index_select(&pos, 0)?,
+            )
+        } else {
+            (cos_g.clone(), sin_g.clone())
+        };
+        let eps = cfg.rms_eps as f32;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let mut x = self.embed(&ids)?;
+        let mut hidden = Vec::with_capacity(hidden_layers.len());
+        for (li, w) in self.weights.layers.iter().enumerate() {
+            let sliding = cfg.sliding_layers[li];
+            let (cos, sin) = if sliding {
+                (&cos_l, &sin_l)
+            } else {
+                (&cos_g, &sin_g)
+            };
+            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
+            let mut q = w.wq.forward(&h)?.reshape((t, nh, hd))?;
+            let mut k = w.wk.forward(&h)?.reshape((t, nkv, hd))?;
+            let v = w.wv.forward(&h)?;
+            if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+                q = candle_nn::ops::rms_norm(&q, qn, eps)?;
+                k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+            }
+            let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, cos, sin)?
+                .squeeze(0)?;
+            let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, cos, sin)?
+                .reshape((t, kv_dim))?;
+            kv.k[li].scatter_set(&slot_idx, &k, 0)?;
+            kv.v[li].scatter_set(&slot_idx, &v.contiguous()?, 0)?;
+            let attn = PagedAttention {
+                seqs: seqs.clone(),
+                num_heads: nh,
+                num_kv_heads: nkv,
+                head_dim: hd,
+                block_size: kv.block_size,
+                scale: cfg.attn_scale as f32,
+                window: if sliding { cfg.sliding_window } else { None },
+                causal: true,
+            };
+            let a = attn.forward(&q, &kv.k[li], &kv.v[li])?;
+            let mut o = w.wo.forward(&a)?;
+            if let Some(n) = &w.post_attn_norm {
+                o = candle_nn::ops::rms_norm(&o, n, eps)?;
+            }
+            x = (x + o)?;
+            let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
+            let g = w.gate.forward(&h)?;
+            let g = match cfg.activation {
+                Activation::Silu => candle_nn::ops::silu(&g)?,
+                Activation::GeluTanh => g.gelu()?,
+            };
+            let mut m = w.down.forward(&(g * w.up.forward(&h)?)?)?;
+            if let Some(n) = &w.post_ffn_norm {
+                m = candle_nn::ops::rms_norm(&m, n, eps)?;
+            }
+            x = (x + m)?;
+            if hidden_layers.contains(&li) {
+                hidden.push(x.clone());
+            }
+        }
+        let logits = if logit_rows.is_empty() {
+            Tensor::zeros((0, cfg.vocab_size), DType::F32, dev)?
+        } else {
+            let rows = Tensor::new(logit_rows.as_slice(), dev)?;
+            self.logits(&x.index_select(&rows, 0)?)?
+        };
+        Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// Teacher-forced logits for one sequence from scratch (tests, evaluation).
+    pub fn logits_for(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+        let mut table = Vec::new();
+        anyhow::ensure!(kv.ensure(&mut table, tokens.len()), "KV cache too small");
+        let out = self.forward(
+            &[SeqBatch {
+                tokens: tokens.to_vec(),
+                start_pos: 0,
+                block_table: table.clone(),
+                num_logits: tokens.len(),
+            }],
+            kv,
+            &[],
+        );
+        kv.truncate(&mut table, 0);
+        Ok(out?.logits.to_vec2::<f32>()?)
+    }
+}
+
+/// Argmax of a logits row.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+

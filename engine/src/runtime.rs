@@ -1,0 +1,150 @@
+//! Wiring shared by the subcommands: device selection, thread pool, model + tokenizer
+//! loading with progress.
+
+use crate::model::{Model, ModelSource};
+use crate::tokenizer::TextTokenizer;
+use anyhow::{Context, Result};
+use candle_core::Device;
+use std::path::Path;
+
+pub fn device(name: &str) -> Result<Device> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        s if s.starts_with("cuda") => {
+            let ord = s
+                .strip_prefix("cuda")
+                .and_then(|r| r.strip_prefix(':'))
+                .map(|n| n.parse::<usize>())
+                .transpose()
+                .context("--device cuda:N needs a number")?
+                .unwrap_or(0);
+            Device::new_cuda(ord).with_context(|| {
+                format!("cannot open CUDA device {ord} (build with --features cuda and check the driver)")
+            })
+        }
+        other => anyhow::bail!("unknown device '{other}'; use cpu or cuda[:N]"),
+    }
+}
+
+/// Name recorded in cost tables and checked against them.
+pub fn device_name(d: &Device) -> String {
+    match d {
+        Device::Cpu => "cpu".to_string(),
+        Device::Cuda(_) => "cuda".to_string(),
+        Device::Metal(_) => "metal".to_string(),
+    }
+}
+
+pub fn init_threads(n: Option<usize>) {
+    let n = n.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+}
+
+/// Loads the model and its tokenizer, showing progress on stderr when `progress` is set.
+pub fn load(path: &Path, device: &Device, progress: bool) -> Result<(Model, TextTokenizer)> {
+    let bar = if progress {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors groups")
+            .expect("valid template"),
+    );
+    bar.set_message(path.display().to_string());
+    let cb = |done: usize, total: usize| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    };
+    let model = Model::load(path, device, &cb)?;
+    bar.finish_and_clear();
+    let tok = match ModelSource::detect(path)? {
+        ModelSource::Gguf(p) => {
+            let (_, ct) = crate::model::weights::open_gguf(&p)?;
+            TextTokenizer::from_gguf(&ct)
+                .with_context(|| format!("{}: cannot build the tokenizer", p.display()))?
+        }
+        ModelSource::HfDir(d) => TextTokenizer::from_hf_dir(&d)?,
+    };
+    Ok((model, tok))
+}
+
+/// Everything `serve` needs besides the network address.
+#[derive(Debug, Clone)]
+pub struct AppOptions {
+    pub model: std::path::PathBuf,
+    pub device: String,
+    pub served_model_name: Option<String>,
+    pub kv_cache_mb: usize,
+    pub kv_block_size: usize,
+    pub max_model_len: Option<usize>,
+    pub engine: crate::engine::EngineConfig,
+    pub show_progress: bool,
+}
+
+/// Loads the model, starts the engine thread and returns the HTTP state plus a one-line
+/// summary of what is being served.
+pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppState>, String)> {
+    use crate::engine::Engine;
+    use crate::kv::KvCache;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use std::sync::Arc;
+    let device = device(&opts.device)?;
+    let (model, tok) = load(&opts.model, &device, opts.show_progress)?;
+    let kv = KvCache::new(
+        model.cfg.num_layers,
+        model.cfg.kv_dim(),
+        opts.kv_cache_mb * 1024 * 1024,
+        opts.kv_block_size,
+        &device,
+    )?;
+    let mut max_seq = Engine::max_sequence_tokens(&model, &kv);
+    if let Some(m) = opts.max_model_len {
+        max_seq = max_seq.min(m);
+    }
+    let model_id = opts
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model.id.clone());
+    let template = crate::chat::ChatTemplate::new(
+        tok.chat_template.as_deref(),
+        model.cfg.arch,
+        &tok.bos_token,
+        &tok.eos_token,
+    )?;
+    let metrics = Arc::new(crate::metrics::Metrics::new(&model_id));
+    let summary = format!(
+        "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB = {} tokens in {} blocks | max sequence {} tokens",
+        crate::VERSION,
+        model.cfg.arch.name(),
+        model.weights.dtype,
+        model.cfg.num_layers,
+        device_name(&device),
+        opts.kv_cache_mb,
+        kv.capacity_tokens(),
+        kv.total_blocks(),
+        max_seq,
+    );
+    let model = Arc::new(model);
+    let tok = Arc::new(tok);
+    let (engine, handle) = Engine::new(model, tok.clone(), kv, opts.engine.clone(), metrics.clone());
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || engine.run())?;
+    let state = Arc::new(crate::server::AppState {
+        model_id,
+        tok,
+        template,
+        engine: handle,
+        metrics,
+        max_seq,
+        draining: AtomicBool::new(false),
+        inflight: AtomicUsize::new(0),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        ready_details: std::sync::RwLock::new(serde_json::json!({ "speculation": "none" })),
+    });
+    Ok((state, summary))
+}

@@ -1,0 +1,46 @@
+//! Shared helpers for the engine's integration tests: the real model files fetched by
+//! `scripts/fetch-models.sh` (tests fail, not skip, when they are missing).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("DSPARK_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/dspark"))
+}
+
+fn model(name: &str) -> PathBuf {
+    let p = cache_dir().join("models").join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh (make test does)",
+        p.display()
+    );
+    p
+}
+
+pub fn smollm2() -> PathBuf {
+    model("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+pub fn gemma3() -> PathBuf {
+    model("gemma-3-270m-Q4_K_M.gguf")
+}
+
+pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
+    let name = model_file.file_name().unwrap().to_string_lossy().to_string();
+    let p = cache_dir().join("reference").join(format!("{name}.json"));
+    let alt = cache_dir()
+        .join("reference")
+        .join(format!("{}.json", name.trim_end_matches(".gguf")));
+    let p = if p.exists() { p } else { alt };
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
+        panic!(
+            "llama.cpp reference {} is missing ({e}): run `python3 tests/peer/reference.py --model {}` (make test does)",
+            p.display(),
+            model_file.display()
+        )
+    });
+    serde_json::from_str(&text).expect("reference JSON parses")
+}

@@ -1,0 +1,73 @@
+"""The official `openai` Python client against a real engine process."""
+
+import openai
+import pytest
+
+
+@pytest.fixture()
+def client(engine_url):
+    return openai.OpenAI(base_url=engine_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["smollm2"]
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content
+    assert r.usage.completion_tokens == 12
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    kwargs = dict(
+        model="default",
+        messages=[{"role": "user", "content": "List two fruits."}],
+        max_tokens=16,
+        temperature=0,
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    parts, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                parts.append(c.delta.content)
+            if c.finish_reason:
+                finish = c.finish_reason
+    assert "".join(parts) == full
+    assert usage.completion_tokens == 16
+    assert finish == "length"
+
+
+def test_completions_streaming_and_not(client):
+    r = client.completions.create(model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0)
+    text = r.choices[0].text
+    assert r.usage.completion_tokens == 8
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(
+            model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed == text
+
+
+def test_errors_surface_as_openai_exceptions(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
+    assert "maximum context length" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], n=3)
