@@ -72,8 +72,14 @@ mod tests {
 
     fn msgs() -> Vec<ChatMessage> {
         vec![
-            ChatMessage { role: "system".into(), content: "Be brief.".into() },
-            ChatMessage { role: "user".into(), content: " Hi ".into() },
+            ChatMessage {
+                role: "system".into(),
+                content: "Be brief.".into(),
+            },
+            ChatMessage {
+                role: "user".into(),
+                content: " Hi ".into(),
+            },
         ]
     }
 
@@ -99,7 +105,14 @@ mod tests {
             "",
         )
         .unwrap();
-        let bad = vec![ChatMessage { role: "user".into(), content: " x ".into() }];
-        assert!(t.render(&bad, true).unwrap_err().to_string().contains("no x"));
+        let bad = vec![ChatMessage {
+            role: "user".into(),
+            content: " x ".into(),
+        }];
+        assert!(t
+            .render(&bad, true)
+            .unwrap_err()
+            .to_string()
+            .contains("no x"));
     }
 }

@@ -7,9 +7,10 @@
 //! When the cache runs out of blocks, the youngest sequence is preempted and recomputed later.
 
 use crate::kv::KvCache;
-use crate::metrics::{FinishLabel, Metrics};
+use crate::metrics::{FinishLabel, Metrics, PositionLabel};
 use crate::model::{Model, SeqBatch};
-use crate::sampling::{logprobs, target_probs, SamplingParams};
+use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
+use crate::spec::{ngram, verify::verify, Proposal, Speculation, VerifyPolicy};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
 use rand::SeedableRng;
@@ -30,6 +31,10 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Admission queue bound; past it requests are refused (HTTP 429).
     pub max_waiting: usize,
+    /// Drafter used for speculative decoding (`None` = plain decoding).
+    pub speculation: Speculation,
+    /// How many draft tokens each request verifies.
+    pub policy: VerifyPolicy,
 }
 
 impl Default for EngineConfig {
@@ -39,6 +44,8 @@ impl Default for EngineConfig {
             prefill_chunk: 256,
             max_running: 64,
             max_waiting: 256,
+            speculation: Speculation::None,
+            policy: VerifyPolicy::Fixed { gamma: 4 },
         }
     }
 }
@@ -70,6 +77,9 @@ pub struct TokenLogprob {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Draft tokens sent to verification and how many of them the target accepted.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
 }
 
 #[derive(Debug)]
@@ -143,6 +153,8 @@ struct Seq {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     queued_metric_done: bool,
+    draft_tokens: usize,
+    accepted_tokens: usize,
 }
 
 impl Seq {
@@ -216,7 +228,10 @@ impl Engine {
             if let Err(e) = self.step() {
                 tracing::error!("engine step failed: {e:#}");
                 for s in self.running.drain(..) {
-                    let _ = s.req.events.send(Event::Error(format!("engine error: {e:#}")));
+                    let _ = s
+                        .req
+                        .events
+                        .send(Event::Error(format!("engine error: {e:#}")));
                     let mut b = s.blocks;
                     self.kv.truncate(&mut b, 0);
                 }
@@ -239,6 +254,8 @@ impl Engine {
             first_token: None,
             last_token: None,
             queued_metric_done: false,
+            draft_tokens: 0,
+            accepted_tokens: 0,
             req,
         });
     }
@@ -279,7 +296,9 @@ impl Engine {
         self.waiting.retain(|s| !s.req.events.is_closed());
         // Admission: oldest first, while the prompt fits in free blocks.
         while self.running.len() < self.cfg.max_running {
-            let Some(front) = self.waiting.front() else { break };
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
             let need = self.kv.blocks_for(front.tokens.len() + 1);
             let reserved: usize = self.running.len(); // one growth block per running sequence
             if need + reserved > self.kv.free_blocks() && !self.running.is_empty() {
@@ -302,9 +321,10 @@ impl Engine {
             return Ok(());
         }
 
-        // Plan the batch: decoding sequences first (one pending token), then prefill chunks.
+        // Plan the batch: decoding sequences first (their pending token plus a draft block
+        // to verify), then prefill chunks.
         let mut budget = self.cfg.max_batch_tokens;
-        let mut plan: Vec<(usize, usize)> = Vec::new(); // (running index, chunk length)
+        let mut plan: Vec<Planned> = Vec::new();
         let order: Vec<usize> = {
             let mut dec: Vec<usize> = (0..self.running.len())
                 .filter(|&i| self.running[i].tokens.len() - self.running[i].cached == 1)
@@ -315,20 +335,36 @@ impl Engine {
             dec.extend(pre);
             dec
         };
+        let max_ctx = self.model.max_context();
         let mut preempt = Vec::new();
         for i in order {
             if budget == 0 {
                 break;
             }
+            let decoding = self.running[i].tokens.len() - self.running[i].cached == 1;
+            let proposal = if decoding {
+                self.propose(i, budget - 1, max_ctx)
+            } else {
+                None
+            };
             let s = &mut self.running[i];
             let pending = s.tokens.len() - s.cached;
-            let chunk = pending.min(budget).min(self.cfg.prefill_chunk.max(1));
+            let draft_len = proposal.as_ref().map_or(0, |p| p.tokens.len());
+            let chunk = if decoding {
+                1 + draft_len
+            } else {
+                pending.min(budget).min(self.cfg.prefill_chunk.max(1))
+            };
             if !self.kv.ensure(&mut s.blocks, s.cached + chunk) {
                 preempt.push(i);
                 continue;
             }
             budget -= chunk;
-            plan.push((i, chunk));
+            plan.push(Planned {
+                seq: i,
+                chunk,
+                proposal,
+            });
         }
         if plan.is_empty() && !preempt.is_empty() {
             // Nothing fits: recompute the youngest sequence later.
@@ -341,14 +377,23 @@ impl Engine {
         }
         let batch: Vec<SeqBatch> = plan
             .iter()
-            .map(|&(i, chunk)| {
-                let s = &self.running[i];
-                let end = s.cached + chunk;
+            .map(|pl| {
+                let s = &self.running[pl.seq];
+                let mut tokens = s.tokens[s.cached..].to_vec();
+                tokens.truncate(pl.chunk);
+                if let Some(p) = &pl.proposal {
+                    tokens.extend_from_slice(&p.tokens);
+                }
+                let ends = s.cached + tokens.len() >= s.tokens.len();
                 SeqBatch {
-                    tokens: s.tokens[s.cached..end].to_vec(),
+                    num_logits: if ends {
+                        1 + pl.proposal.as_ref().map_or(0, |p| p.tokens.len())
+                    } else {
+                        0
+                    },
+                    tokens,
                     start_pos: s.cached,
                     block_table: s.blocks.clone(),
-                    num_logits: (end == s.tokens.len()) as usize,
                 }
             })
             .collect();
@@ -363,26 +408,64 @@ impl Engine {
         };
         let mut row = 0;
         let mut finished = Vec::new();
-        for (&(i, chunk), sb) in plan.iter().zip(&batch) {
+        for (pl, sb) in plan.iter().zip(&batch) {
+            let i = pl.seq;
             let s = &mut self.running[i];
-            let was_prefill = s.cached < s.prompt_len;
-            s.cached += chunk;
-            if was_prefill {
-                let prompt_part = chunk.min(s.prompt_len.saturating_sub(sb.start_pos));
+            if s.cached < s.prompt_len {
+                let prompt_part = sb.tokens.len().min(s.prompt_len - s.cached);
                 self.metrics.prompt_tokens.inc_by(prompt_part as u64);
             }
             if sb.num_logits == 0 {
+                s.cached += sb.tokens.len();
                 continue;
             }
-            let l = &logits[row];
-            row += 1;
-            let dist = target_probs(l, &s.req.params);
-            let tok = dist.sample(&mut s.rng);
-            if let Some(reason) = self.accept_token(i, tok, l) {
-                finished.push((i, reason));
+            let rows = &logits[row..row + sb.num_logits];
+            row += sb.num_logits;
+            let (commit, accepted) = match &pl.proposal {
+                None => {
+                    let tok = target_probs(&rows[0], &s.req.params).sample(&mut s.rng);
+                    (vec![tok], 0)
+                }
+                Some(p) => {
+                    let dists: Vec<Dist> = rows
+                        .iter()
+                        .map(|r| target_probs(r, &s.req.params))
+                        .collect();
+                    let v = verify(&p.tokens, &p.q, &dists, &mut s.rng);
+                    (v.tokens, v.accepted)
+                }
+            };
+            // Keys/values are valid for the fed tokens up to the last accepted draft;
+            // rejected positions are rolled back.
+            let drafted = pl.proposal.as_ref().map_or(0, |p| p.tokens.len());
+            s.cached += sb.tokens.len() - drafted + accepted;
+            self.kv.truncate(&mut s.blocks, s.cached);
+            if drafted > 0 {
+                s.draft_tokens += drafted;
+                s.accepted_tokens += accepted;
+                self.metrics.spec_drafts.inc();
+                self.metrics.spec_draft_tokens.inc_by(drafted as u64);
+                self.metrics.spec_accepted_tokens.inc_by(accepted as u64);
+                for pos in 0..accepted {
+                    self.metrics
+                        .spec_accepted_per_pos
+                        .get_or_create(&PositionLabel {
+                            position: pos as u32,
+                        })
+                        .inc();
+                }
+            }
+            let gap = s
+                .last_token
+                .map(|t| t.elapsed().as_secs_f64() / commit.len() as f64);
+            for (j, &tok) in commit.iter().enumerate() {
+                if let Some(reason) = self.accept_token(i, tok, &rows[j], gap) {
+                    finished.push((i, reason));
+                    break;
+                }
             }
         }
-        finished.sort_by(|a, b| b.0.cmp(&a.0));
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason) in finished {
             let mut s = self.running.swap_remove(i);
             self.finish(&mut s, reason);
@@ -391,18 +474,64 @@ impl Engine {
         Ok(())
     }
 
+    /// A draft block for decoding sequence `i`, within `room` extra batch tokens and the
+    /// sequence's remaining token budget.
+    fn propose(&mut self, i: usize, room: usize, max_ctx: usize) -> Option<Proposal> {
+        let s = &self.running[i];
+        let remaining = s.req.max_tokens.saturating_sub(s.generated());
+        // The last committed token is always the target's own; drafts only fill the rest.
+        let cap = remaining
+            .saturating_sub(1)
+            .min(room)
+            .min(max_ctx.saturating_sub(s.tokens.len() + 1));
+        let gamma = self.cfg.policy.gamma().min(cap);
+        if gamma == 0 {
+            return None;
+        }
+        let p = match self.cfg.speculation {
+            Speculation::None => return None,
+            Speculation::Ngram => {
+                let tokens = ngram::propose(&s.tokens, gamma, 1, 3);
+                Proposal {
+                    q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
+                    confidence: vec![1.0; tokens.len()],
+                    tokens,
+                }
+            }
+            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
+                return None;
+            }
+        };
+        let n = self.cfg.policy.verify_len(&p, cap);
+        if n == 0 {
+            return None;
+        }
+        Some(Proposal {
+            tokens: p.tokens[..n].to_vec(),
+            q: p.q[..n].to_vec(),
+            confidence: p.confidence[..n].to_vec(),
+        })
+    }
+
     /// Appends a sampled token, streams what became final, and says whether the sequence
     /// is done.
-    fn accept_token(&mut self, i: usize, tok: u32, logits: &[f32]) -> Option<FinishReason> {
+    fn accept_token(
+        &mut self,
+        i: usize,
+        tok: u32,
+        logits: &[f32],
+        gap: Option<f64>,
+    ) -> Option<FinishReason> {
         let now = Instant::now();
         let tokz = self.tok.clone();
         let s = &mut self.running[i];
-        match s.last_token {
-            None => self
+        match gap {
+            None if s.last_token.is_none() => self
                 .metrics
                 .ttft
                 .observe((now - s.req.arrived).as_secs_f64()),
-            Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+            None => {}
+            Some(g) => self.metrics.itl.observe(g),
         }
         if s.first_token.is_none() {
             s.first_token = Some(now);
@@ -452,7 +581,10 @@ impl Engine {
             String::new()
         };
         if !text.is_empty() || !lps.is_empty() {
-            let _ = s.req.events.send(Event::Delta { text, logprobs: lps });
+            let _ = s.req.events.send(Event::Delta {
+                text,
+                logprobs: lps,
+            });
         }
         reason
     }
@@ -473,9 +605,19 @@ impl Engine {
             usage: Usage {
                 prompt_tokens: s.prompt_len,
                 completion_tokens: s.generated(),
+                draft_tokens: s.draft_tokens,
+                accepted_draft_tokens: s.accepted_tokens,
             },
         });
     }
+}
+
+/// One sequence's share of a step.
+struct Planned {
+    seq: usize,
+    /// Tokens fed this step: a prefill chunk, or the pending token plus the draft block.
+    chunk: usize,
+    proposal: Option<Proposal>,
 }
 
 fn max_len(stops: &[String]) -> usize {
@@ -505,7 +647,10 @@ fn holdback(text: &str, stops: &[String]) -> usize {
             if k <= best {
                 break;
             }
-            if text.is_char_boundary(text.len() - k) && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+            if text.is_char_boundary(text.len() - k)
+                && s.is_char_boundary(k)
+                && text.ends_with(&s[..k])
+            {
                 best = k;
                 break;
             }

@@ -12,9 +12,11 @@ pub mod engine;
 pub mod kv;
 pub mod metrics;
 pub mod model;
+pub mod profile;
 pub mod runtime;
 pub mod sampling;
 pub mod server;
+pub mod spec;
 pub mod tokenizer;
 
 /// Engine version, recorded in cost tables.

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router;
+use dspark_engine::spec::{Speculation, VerifyPolicy};
 use dspark_engine::VERSION;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -21,6 +22,43 @@ struct Cli {
 enum Cmd {
     /// Serve a model over an OpenAI-compatible HTTP API.
     Serve(ServeArgs),
+    /// Measure SPS(B) (target forwards per second at B batch tokens) and write a cost table.
+    Profile(ProfileArgs),
+}
+
+#[derive(clap::Args)]
+struct ProfileArgs {
+    /// A GGUF file or a Hugging Face model folder.
+    #[arg(long, env = "DSPARK_MODEL")]
+    model: PathBuf,
+    /// Where to write the table (default: stdout).
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// One-line JSON of at most 4096 bytes (fits a container termination message).
+    #[arg(long)]
+    compact: bool,
+    /// Node type recorded in the table (e.g. the node-type label of the pool).
+    #[arg(long, env = "DSPARK_NODE_TYPE")]
+    node_type: Option<String>,
+    /// Drafter id recorded in the table.
+    #[arg(long)]
+    drafter_id: Option<String>,
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Largest B to measure (log-spaced grid from 1).
+    #[arg(long, default_value_t = 64)]
+    max_batch: u32,
+    /// Context tokens already cached for every sequence.
+    #[arg(long, default_value_t = 256)]
+    context: usize,
+    /// Tokens each sequence contributes per step (1 = decode, >1 = verify blocks).
+    #[arg(long, default_value_t = 4)]
+    tokens_per_seq: usize,
+    /// Most repetitions per point.
+    #[arg(long, default_value_t = 60)]
+    max_reps: usize,
 }
 
 #[derive(clap::Args)]
@@ -60,24 +98,57 @@ struct ServeArgs {
     /// On SIGTERM, how long in-flight requests may finish before the process exits.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// Drafter for speculative decoding: none | ngram (prompt lookup).
+    #[arg(long, default_value = "none")]
+    speculation: String,
+    /// How many draft tokens each request verifies: fixed (always gamma) | threshold
+    /// (the prefix whose survival stays above --threshold).
+    #[arg(long, default_value = "fixed")]
+    policy: String,
+    /// Draft block size.
+    #[arg(long, default_value_t = 4)]
+    gamma: usize,
+    /// Survival threshold of the threshold policy.
+    #[arg(long, default_value_t = 0.5)]
+    threshold: f32,
 }
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Serve(a) => serve(a),
+        Cmd::Profile(a) => profile(a),
     }
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
     runtime::init_threads(a.threads);
+    let speculation = Speculation::parse(&a.speculation).with_context(|| {
+        format!(
+            "unknown --speculation '{}'; use none, ngram, parallel, dspark-markov or dspark-rnn",
+            a.speculation
+        )
+    })?;
+    anyhow::ensure!(
+        matches!(speculation, Speculation::None | Speculation::Ngram),
+        "--speculation {} needs a trained drafter, which this build does not ship yet; use ngram or none",
+        speculation.name()
+    );
+    anyhow::ensure!(a.gamma >= 1, "--gamma must be at least 1");
+    let policy = match a.policy.as_str() {
+        "fixed" => VerifyPolicy::Fixed { gamma: a.gamma },
+        "threshold" => VerifyPolicy::Threshold {
+            gamma: a.gamma,
+            threshold: a.threshold,
+        },
+        other => anyhow::bail!("unknown --policy '{other}'; use fixed or threshold"),
+    };
     let (state, summary) = runtime::start(&AppOptions {
         model: a.model.clone(),
         device: a.device.clone(),
@@ -90,6 +161,8 @@ fn serve(a: ServeArgs) -> Result<()> {
             prefill_chunk: a.prefill_chunk,
             max_running: a.max_running,
             max_waiting: a.max_waiting,
+            speculation,
+            policy,
         },
         show_progress: true,
     })?;
@@ -113,19 +186,83 @@ fn serve(a: ServeArgs) -> Result<()> {
             "draining before exit (up to {}s)",
             a.drain_timeout_secs
         );
-        while state.inflight.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline
-        {
+        while state.inflight.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let left = state.inflight.load(Ordering::SeqCst);
         if left > 0 {
-            tracing::warn!(left, "drain deadline passed; exiting with requests in flight");
+            tracing::warn!(
+                left,
+                "drain deadline passed; exiting with requests in flight"
+            );
         } else {
             tracing::info!("drained; exiting");
         }
         server.abort();
         Ok::<(), anyhow::Error>(())
     })
+}
+
+fn profile(a: ProfileArgs) -> Result<()> {
+    use dspark_engine::kv::KvCache;
+    use dspark_engine::profile::{cost_table, log_grid, measure, ProfileOptions};
+    runtime::init_threads(a.threads);
+    let device = runtime::device(&a.device)?;
+    let (model, _) = runtime::load(&a.model, &device, true)?;
+    let opts = ProfileOptions {
+        grid: log_grid(a.max_batch.max(1), 2),
+        context: a.context,
+        tokens_per_seq: a.tokens_per_seq,
+        max_reps: a.max_reps,
+        ..Default::default()
+    };
+    let need = (a.max_batch as usize) * (a.context + a.tokens_per_seq + 16);
+    let kv_bytes = need * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
+    let mut kv = KvCache::new(
+        model.cfg.num_layers,
+        model.cfg.kv_dim(),
+        kv_bytes,
+        16,
+        &device,
+    )?;
+    eprintln!(
+        "profiling {} on {} over B = {:?} (context {}, {} tokens per sequence)",
+        model.id,
+        runtime::device_name(&device),
+        opts.grid,
+        a.context,
+        a.tokens_per_seq
+    );
+    let points = measure(&model, &mut kv, &opts, &mut |p| {
+        eprintln!(
+            "  B={:>3}  {:>8.2} steps/s  {:>8.1} tokens/s  (+-{:.1}%, {} reps)",
+            p.b,
+            1.0 / p.seconds,
+            p.b as f64 / p.seconds,
+            p.rel_err * 100.0,
+            p.reps
+        )
+    })?;
+    let table = cost_table(
+        &model,
+        &runtime::device_name(&device),
+        a.node_type,
+        a.drafter_id,
+        &points,
+    );
+    table.validate()?;
+    let text = if a.compact {
+        table.to_compact()?
+    } else {
+        table.to_json_pretty()
+    };
+    match a.output {
+        Some(p) => {
+            std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))?
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
 }
 
 async fn shutdown_signal() {

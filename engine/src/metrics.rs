@@ -51,8 +51,11 @@ fn latency_buckets() -> Vec<f64> {
 impl Metrics {
     pub fn new(model: &str) -> Self {
         let mut registry = Registry::with_labels(
-            [(std::borrow::Cow::Borrowed("model_name"), std::borrow::Cow::Owned(model.to_string()))]
-                .into_iter(),
+            [(
+                std::borrow::Cow::Borrowed("model_name"),
+                std::borrow::Cow::Owned(model.to_string()),
+            )]
+            .into_iter(),
         );
         let m = Metrics {
             ttft: Histogram::new(latency_buckets()),
@@ -66,7 +69,9 @@ impl Metrics {
             generation_tokens: Counter::default(),
             request_success: Family::default(),
             requests_rejected: Counter::default(),
-            batch_tokens: Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]),
+            batch_tokens: Histogram::new([
+                1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+            ]),
             steps: Counter::default(),
             preemptions: Counter::default(),
             spec_drafts: Counter::default(),
@@ -76,24 +81,96 @@ impl Metrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
-        r.register("dspark_time_to_first_token_seconds", "Time to first token", m.ttft.clone());
-        r.register("dspark_inter_token_latency_seconds", "Time between output tokens", m.itl.clone());
-        r.register("dspark_e2e_request_latency_seconds", "End-to-end request latency", m.e2e.clone());
-        r.register("dspark_request_queue_time_seconds", "Time spent waiting for admission", m.queue_time.clone());
-        r.register("dspark_num_requests_running", "Requests in the running batch", m.running.clone());
-        r.register("dspark_num_requests_waiting", "Requests waiting for admission", m.waiting.clone());
-        r.register("dspark_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", m.kv_usage.clone());
-        r.register("dspark_prompt_tokens", "Prompt tokens processed", m.prompt_tokens.clone());
-        r.register("dspark_generation_tokens", "Tokens generated", m.generation_tokens.clone());
-        r.register("dspark_request_success", "Finished requests by finish reason", m.request_success.clone());
-        r.register("dspark_requests_rejected", "Requests refused because the admission queue was full", m.requests_rejected.clone());
-        r.register("dspark_batch_tokens", "Tokens (B) in each target forward", m.batch_tokens.clone());
-        r.register("dspark_engine_steps", "Engine steps (target forwards)", m.steps.clone());
-        r.register("dspark_num_preemptions", "Sequences preempted for lack of KV blocks", m.preemptions.clone());
-        r.register("dspark_spec_decode_num_drafts", "Draft blocks proposed", m.spec_drafts.clone());
-        r.register("dspark_spec_decode_num_draft_tokens", "Draft tokens verified", m.spec_draft_tokens.clone());
-        r.register("dspark_spec_decode_num_accepted_tokens", "Draft tokens accepted", m.spec_accepted_tokens.clone());
-        r.register("dspark_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per position", m.spec_accepted_per_pos.clone());
+        r.register(
+            "dspark_time_to_first_token_seconds",
+            "Time to first token",
+            m.ttft.clone(),
+        );
+        r.register(
+            "dspark_inter_token_latency_seconds",
+            "Time between output tokens",
+            m.itl.clone(),
+        );
+        r.register(
+            "dspark_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            m.e2e.clone(),
+        );
+        r.register(
+            "dspark_request_queue_time_seconds",
+            "Time spent waiting for admission",
+            m.queue_time.clone(),
+        );
+        r.register(
+            "dspark_num_requests_running",
+            "Requests in the running batch",
+            m.running.clone(),
+        );
+        r.register(
+            "dspark_num_requests_waiting",
+            "Requests waiting for admission",
+            m.waiting.clone(),
+        );
+        r.register(
+            "dspark_kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            "dspark_prompt_tokens",
+            "Prompt tokens processed",
+            m.prompt_tokens.clone(),
+        );
+        r.register(
+            "dspark_generation_tokens",
+            "Tokens generated",
+            m.generation_tokens.clone(),
+        );
+        r.register(
+            "dspark_request_success",
+            "Finished requests by finish reason",
+            m.request_success.clone(),
+        );
+        r.register(
+            "dspark_requests_rejected",
+            "Requests refused because the admission queue was full",
+            m.requests_rejected.clone(),
+        );
+        r.register(
+            "dspark_batch_tokens",
+            "Tokens (B) in each target forward",
+            m.batch_tokens.clone(),
+        );
+        r.register(
+            "dspark_engine_steps",
+            "Engine steps (target forwards)",
+            m.steps.clone(),
+        );
+        r.register(
+            "dspark_num_preemptions",
+            "Sequences preempted for lack of KV blocks",
+            m.preemptions.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_num_drafts",
+            "Draft blocks proposed",
+            m.spec_drafts.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_num_draft_tokens",
+            "Draft tokens verified",
+            m.spec_draft_tokens.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+            m.spec_accepted_tokens.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted per position",
+            m.spec_accepted_per_pos.clone(),
+        );
         Metrics { registry, ..m }
     }
 

@@ -36,8 +36,14 @@ pub fn device_name(d: &Device) -> String {
 }
 
 pub fn init_threads(n: Option<usize>) {
-    let n = n.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    let n = n.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
 }
 
 /// Loads the model and its tokenizer, showing progress on stderr when `progress` is set.
@@ -48,8 +54,10 @@ pub fn load(path: &Path, device: &Device, progress: bool) -> Result<(Model, Text
         indicatif::ProgressBar::hidden()
     };
     bar.set_style(
-        indicatif::ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors groups")
-            .expect("valid template"),
+        indicatif::ProgressStyle::with_template(
+            "loading {msg} [{bar:30}] {pos}/{len} tensors groups",
+        )
+        .expect("valid template"),
     );
     bar.set_message(path.display().to_string());
     let cb = |done: usize, total: usize| {
@@ -127,7 +135,8 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     );
     let model = Arc::new(model);
     let tok = Arc::new(tok);
-    let (engine, handle) = Engine::new(model, tok.clone(), kv, opts.engine.clone(), metrics.clone());
+    let (engine, handle) =
+        Engine::new(model, tok.clone(), kv, opts.engine.clone(), metrics.clone());
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || engine.run())?;
@@ -144,7 +153,10 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        ready_details: std::sync::RwLock::new(serde_json::json!({ "speculation": "none" })),
+        ready_details: std::sync::RwLock::new(serde_json::json!({
+            "speculation": opts.engine.speculation.name(),
+            "policy": format!("{:?}", opts.engine.policy),
+        })),
     });
     Ok((state, summary))
 }

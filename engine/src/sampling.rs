@@ -92,9 +92,7 @@ pub fn target_probs(logits: &[f32], sp: &SamplingParams) -> Dist {
         // Candidates in descending probability; only the kept set needs sorting.
         let mut idx: Vec<u32> = (0..p.len() as u32).collect();
         if k < idx.len() {
-            idx.select_nth_unstable_by(k - 1, |&a, &b| {
-                p[b as usize].total_cmp(&p[a as usize])
-            });
+            idx.select_nth_unstable_by(k - 1, |&a, &b| p[b as usize].total_cmp(&p[a as usize]));
             idx.truncate(k);
         }
         idx.sort_unstable_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
@@ -132,10 +130,15 @@ pub fn logprobs(logits: &[f32], id: u32, top: usize) -> (f32, Vec<(u32, f32)>) {
     if top > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
         let k = top.min(idx.len());
-        idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize])
+        });
         idx.truncate(k);
         idx.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
-        tops = idx.into_iter().map(|i| (i, logits[i as usize] - lse)).collect();
+        tops = idx
+            .into_iter()
+            .map(|i| (i, logits[i as usize] - lse))
+            .collect();
     }
     (chosen, tops)
 }
@@ -148,15 +151,30 @@ mod tests {
     #[test]
     fn top_k_and_top_p_keep_the_right_mass() {
         let logits = vec![3.0, 2.0, 1.0, 0.0, -1.0];
-        let sp = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
-        let Dist::Probs(p) = target_probs(&logits, &sp) else { panic!() };
+        let sp = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            ..Default::default()
+        };
+        let Dist::Probs(p) = target_probs(&logits, &sp) else {
+            panic!()
+        };
         assert!(p[2] == 0.0 && p[3] == 0.0 && p[4] == 0.0);
         assert!((p[0] + p[1] - 1.0).abs() < 1e-6);
         assert!((p[0] / p[1] - std::f32::consts::E).abs() < 1e-4);
-        let sp = SamplingParams { temperature: 1.0, top_p: 0.5, ..Default::default() };
-        let Dist::Probs(p) = target_probs(&logits, &sp) else { panic!() };
+        let sp = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.5,
+            ..Default::default()
+        };
+        let Dist::Probs(p) = target_probs(&logits, &sp) else {
+            panic!()
+        };
         assert_eq!(p[0], 1.0, "the top token alone holds > 50% of the mass");
-        let sp = SamplingParams { temperature: 0.0, ..Default::default() };
+        let sp = SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        };
         assert!(matches!(target_probs(&logits, &sp), Dist::Greedy(0)));
     }
 

@@ -209,8 +209,14 @@ impl TextTokenizer {
         if let Ok(g) = std::fs::read_to_string(dir.join("generation_config.json")) {
             if let Ok(g) = serde_json::from_str::<serde_json::Value>(&g) {
                 let ids: Vec<u32> = match &g["eos_token_id"] {
-                    serde_json::Value::Number(n) => n.as_u64().map(|x| x as u32).into_iter().collect(),
-                    serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                    serde_json::Value::Number(n) => {
+                        n.as_u64().map(|x| x as u32).into_iter().collect()
+                    }
+                    serde_json::Value::Array(a) => a
+                        .iter()
+                        .filter_map(|x| x.as_u64())
+                        .map(|x| x as u32)
+                        .collect(),
                     _ => vec![],
                 };
                 for id in ids {

@@ -26,12 +26,21 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         show_progress: false,
     })
     .expect("engine starts");
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
     let addr = listener.local_addr().unwrap();
     let app = dspark_engine::server::router(state);
     rt.spawn(async move { axum::serve(listener, app).await });
-    Server { base: format!("http://{addr}"), _rt: rt }
+    Server {
+        base: format!("http://{addr}"),
+        _rt: rt,
+    }
 }
 
 fn server() -> &'static Server {
@@ -40,11 +49,18 @@ fn server() -> &'static Server {
 }
 
 fn client() -> reqwest::blocking::Client {
-    reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
 }
 
 fn post(base: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = client().post(format!("{base}{path}")).json(&body).send().unwrap();
+    let r = client()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .unwrap();
     let code = r.status().as_u16();
     (code, r.json().unwrap_or(Value::Null))
 }
@@ -59,20 +75,46 @@ fn chat(content: &str, extra: Value) -> Value {
 
 /// SSE `data:` payloads of a streaming response.
 fn sse(base: &str, path: &str, body: Value) -> Vec<String> {
-    let text = client().post(format!("{base}{path}")).json(&body).send().unwrap().text().unwrap();
-    text.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
+    let text = client()
+        .post(format!("{base}{path}"))
+        .json(&body)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(String::from)
+        .collect()
 }
 
 #[test]
 fn chat_streaming_equals_non_streaming_greedy() {
     let s = server();
-    let (code, full) = post(&s.base, "/v1/chat/completions", chat("Name three colors.", json!({"max_tokens": 24, "temperature": 0})));
+    let (code, full) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "Name three colors.",
+            json!({"max_tokens": 24, "temperature": 0}),
+        ),
+    );
     assert_eq!(code, 200, "{full}");
-    let text = full["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(!text.is_empty());
     assert_eq!(full["usage"]["completion_tokens"], 24);
     assert_eq!(full["choices"][0]["finish_reason"], "length");
-    let frames = sse(&s.base, "/v1/chat/completions", chat("Name three colors.", json!({"max_tokens": 24, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})));
+    let frames = sse(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "Name three colors.",
+            json!({"max_tokens": 24, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+    );
     assert_eq!(frames.last().unwrap(), "[DONE]");
     let mut streamed = String::new();
     let mut usage = Value::Null;
@@ -86,7 +128,10 @@ fn chat_streaming_equals_non_streaming_greedy() {
             usage = v["usage"].clone();
         }
     }
-    assert_eq!(streamed, text, "streamed text differs from the non-streamed answer");
+    assert_eq!(
+        streamed, text,
+        "streamed text differs from the non-streamed answer"
+    );
     assert_eq!(usage["completion_tokens"], 24);
 }
 
@@ -94,17 +139,29 @@ fn chat_streaming_equals_non_streaming_greedy() {
 fn completions_stop_strings_and_logprobs() {
     let s = server();
     let prompt = "def add(a, b):\n";
-    let (code, full) = post(&s.base, "/v1/completions", json!({"model": "default", "prompt": prompt, "max_tokens": 32, "temperature": 0}));
+    let (code, full) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "default", "prompt": prompt, "max_tokens": 32, "temperature": 0}),
+    );
     assert_eq!(code, 200, "{full}");
     let text = full["choices"][0]["text"].as_str().unwrap().to_string();
     // Stop at a piece of the greedy continuation: the answer is what came before it.
     let chars: Vec<char> = text.chars().collect();
     let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
-    let (_, stopped) = post(&s.base, "/v1/completions", json!({"model": "default", "prompt": prompt, "max_tokens": 32, "temperature": 0, "stop": [stop.clone()]}));
+    let (_, stopped) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "default", "prompt": prompt, "max_tokens": 32, "temperature": 0, "stop": [stop.clone()]}),
+    );
     let expected = &text[..text.find(&stop).unwrap()];
     assert_eq!(stopped["choices"][0]["text"].as_str().unwrap(), expected);
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
-    let (_, lp) = post(&s.base, "/v1/completions", json!({"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3}));
+    let (_, lp) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 3}),
+    );
     let lps = &lp["choices"][0]["logprobs"];
     assert_eq!(lps["token_logprobs"].as_array().unwrap().len(), 4);
     for (i, l) in lps["token_logprobs"].as_array().unwrap().iter().enumerate() {
@@ -113,7 +170,10 @@ fn completions_stop_strings_and_logprobs() {
         // Greedy: the chosen token is the most likely one.
         let tops = lps["top_logprobs"][i].as_object().unwrap();
         assert_eq!(tops.len(), 3);
-        let best = tops.values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        let best = tops
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
         assert!((best - l).abs() < 1e-4);
     }
 }
@@ -121,26 +181,52 @@ fn completions_stop_strings_and_logprobs() {
 #[test]
 fn seeded_sampling_is_reproducible() {
     let s = server();
-    let body = chat("Tell me a story.", json!({"max_tokens": 16, "temperature": 1.0, "seed": 1234}));
+    let body = chat(
+        "Tell me a story.",
+        json!({"max_tokens": 16, "temperature": 1.0, "seed": 1234}),
+    );
     let (_, a) = post(&s.base, "/v1/chat/completions", body.clone());
     let (_, b) = post(&s.base, "/v1/chat/completions", body);
-    assert_eq!(a["choices"][0]["message"]["content"], b["choices"][0]["message"]["content"]);
+    assert_eq!(
+        a["choices"][0]["message"]["content"],
+        b["choices"][0]["message"]["content"]
+    );
 }
 
 #[test]
 fn concurrent_requests_batch_and_match_solo_greedy() {
     let s = server();
-    let prompts = ["Count to five.", "What is 2+2?", "Write a haiku about the sea.", "Say hello in French."];
+    let prompts = [
+        "Count to five.",
+        "What is 2+2?",
+        "Write a haiku about the sea.",
+        "Say hello in French.",
+    ];
     let solo: Vec<String> = prompts
         .iter()
-        .map(|p| post(&s.base, "/v1/chat/completions", chat(p, json!({"max_tokens": 20, "temperature": 0}))).1["choices"][0]["message"]["content"].as_str().unwrap().to_string())
+        .map(|p| {
+            post(
+                &s.base,
+                "/v1/chat/completions",
+                chat(p, json!({"max_tokens": 20, "temperature": 0})),
+            )
+            .1["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     let handles: Vec<_> = prompts
         .iter()
         .map(|p| {
             let base = s.base.clone();
             let body = chat(p, json!({"max_tokens": 20, "temperature": 0}));
-            std::thread::spawn(move || post(&base, "/v1/chat/completions", body).1["choices"][0]["message"]["content"].as_str().unwrap().to_string())
+            std::thread::spawn(move || {
+                post(&base, "/v1/chat/completions", body).1["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
         })
         .collect();
     let together: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -150,35 +236,89 @@ fn concurrent_requests_batch_and_match_solo_greedy() {
 #[test]
 fn invalid_requests_get_openai_errors() {
     let s = server();
-    let (code, e) = post(&s.base, "/v1/chat/completions", json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}));
+    let (code, e) = post(
+        &s.base,
+        "/v1/chat/completions",
+        json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
+    );
     assert_eq!(code, 404);
     assert_eq!(e["error"]["code"], "model_not_found");
     let (code, e) = post(&s.base, "/v1/chat/completions", chat("x", json!({"n": 2})));
     assert_eq!(code, 400);
     assert_eq!(e["error"]["param"], "n");
-    let (code, e) = post(&s.base, "/v1/chat/completions", chat("x", json!({"max_tokens": 5000})));
+    let (code, e) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat("x", json!({"max_tokens": 5000})),
+    );
     assert_eq!(code, 400);
-    assert!(e["error"]["message"].as_str().unwrap().contains("maximum context length is 2048"), "{e}");
-    let (code, _) = post(&s.base, "/v1/chat/completions", chat("x", json!({"temperature": 7})));
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("maximum context length is 2048"),
+        "{e}"
+    );
+    let (code, _) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat("x", json!({"temperature": 7})),
+    );
     assert_eq!(code, 400);
-    let r = client().post(format!("{}/v1/completions", s.base)).header("content-type", "application/json").body("{not json").send().unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", s.base))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .unwrap();
     assert_eq!(r.status().as_u16(), 400);
     let e: Value = r.json().unwrap();
     assert_eq!(e["error"]["type"], "invalid_request_error");
-    let (code, e) = post(&s.base, "/v1/chat/completions", json!({"model": "default", "messages": []}));
+    let (code, e) = post(
+        &s.base,
+        "/v1/chat/completions",
+        json!({"model": "default", "messages": []}),
+    );
     assert_eq!(code, 400, "{e}");
 }
 
 #[test]
 fn models_health_ready_metrics() {
     let s = server();
-    let m: Value = client().get(format!("{}/v1/models", s.base)).send().unwrap().json().unwrap();
+    let m: Value = client()
+        .get(format!("{}/v1/models", s.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
     assert_eq!(m["data"][0]["id"], "smollm2");
-    assert_eq!(client().get(format!("{}/health", s.base)).send().unwrap().status().as_u16(), 200);
-    let r: Value = client().get(format!("{}/ready", s.base)).send().unwrap().json().unwrap();
+    assert_eq!(
+        client()
+            .get(format!("{}/health", s.base))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16(),
+        200
+    );
+    let r: Value = client()
+        .get(format!("{}/ready", s.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
     assert_eq!(r["status"], "ready");
-    post(&s.base, "/v1/completions", json!({"model": "default", "prompt": "Hello", "max_tokens": 3}));
-    let text = client().get(format!("{}/metrics", s.base)).send().unwrap().text().unwrap();
+    post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "default", "prompt": "Hello", "max_tokens": 3}),
+    );
+    let text = client()
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
     for name in [
         "dspark_time_to_first_token_seconds_bucket",
         "dspark_inter_token_latency_seconds_bucket",
@@ -197,7 +337,11 @@ fn models_health_ready_metrics() {
 
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
-        .find(|l| l.starts_with(name) && (l.as_bytes().get(name.len()) == Some(&b' ') || l.as_bytes().get(name.len()) == Some(&b'{')))
+        .find(|l| {
+            l.starts_with(name)
+                && (l.as_bytes().get(name.len()) == Some(&b' ')
+                    || l.as_bytes().get(name.len()) == Some(&b'{'))
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(f64::NAN)
@@ -205,7 +349,14 @@ fn metric(text: &str, name: &str) -> f64 {
 
 #[test]
 fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
-    let s = spawn(EngineConfig { max_running: 1, max_waiting: 1, ..Default::default() }, 64);
+    let s = spawn(
+        EngineConfig {
+            max_running: 1,
+            max_waiting: 1,
+            ..Default::default()
+        },
+        64,
+    );
     // A long streaming request; read one frame, then hang up.
     {
         let mut r = client()
@@ -216,14 +367,26 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
         let mut buf = [0u8; 64];
         use std::io::Read;
         r.read_exact(&mut buf).unwrap();
-        let text = client().get(format!("{}/metrics", s.base)).send().unwrap().text().unwrap();
+        let text = client()
+            .get(format!("{}/metrics", s.base))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap();
         assert!(metric(&text, "dspark_kv_cache_usage_ratio") > 0.0);
     }
     let mut freed = false;
     for _ in 0..100 {
         std::thread::sleep(Duration::from_millis(100));
-        let text = client().get(format!("{}/metrics", s.base)).send().unwrap().text().unwrap();
-        if metric(&text, "dspark_kv_cache_usage_ratio") == 0.0 && metric(&text, "dspark_num_requests_running") == 0.0 {
+        let text = client()
+            .get(format!("{}/metrics", s.base))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap();
+        if metric(&text, "dspark_kv_cache_usage_ratio") == 0.0
+            && metric(&text, "dspark_num_requests_running") == 0.0
+        {
             freed = true;
             break;
         }
@@ -239,11 +402,18 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     let l2 = long.clone();
     let h2 = std::thread::spawn(move || post(&b2, "/v1/completions", l2).0);
     std::thread::sleep(Duration::from_millis(500));
-    let r = client().post(format!("{}/v1/completions", s.base)).json(&long).send().unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", s.base))
+        .json(&long)
+        .send()
+        .unwrap();
     assert_eq!(r.status().as_u16(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     let e: Value = r.json().unwrap();
-    assert!(e["error"]["message"].as_str().unwrap().contains("queue is full"));
+    assert!(e["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("queue is full"));
     assert_eq!(h1.join().unwrap(), 200);
     assert_eq!(h2.join().unwrap(), 200);
 }

@@ -12,58 +12,74 @@ use std::path::Path;
 fn load(path: &Path) -> (Model, KvCache) {
     dspark_engine::runtime::init_threads(None);
     let m = Model::load(path, &Device::Cpu, &|_, _| {}).expect("model loads");
-    let kv = KvCache::new(m.cfg.num_layers, m.cfg.kv_dim(), 256 << 20, 16, &Device::Cpu).unwrap();
+    let kv = KvCache::new(
+        m.cfg.num_layers,
+        m.cfg.kv_dim(),
+        256 << 20,
+        16,
+        &Device::Cpu,
+    )
+    .unwrap();
     (m, kv)
 }
 
-/// Teacher-forces every reference sequence and counts top-1 agreement with llama.cpp.
-fn agreement(path: &Path) -> (usize, usize, usize) {
+/// Teacher-forces every reference sequence; returns (agreeing positions, positions, the
+/// largest llama.cpp top-1/top-2 logit margin among the disagreements).
+fn agreement(path: &Path) -> (usize, usize, f64) {
     let (m, mut kv) = load(path);
     let reference = common::reference(path);
-    let (mut agree, mut total, mut near_tie) = (0, 0, 0);
+    let (mut agree, mut total, mut worst_margin) = (0, 0, 0f64);
     for seq in reference["sequences"].as_array().unwrap() {
-        let tokens: Vec<u32> = seq["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
-        let top1: Vec<u32> = seq["top1"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let tokens = ids(&seq["tokens"]);
+        let top1 = ids(&seq["top1"]);
+        let top5 = seq["top5_logits"].as_array().unwrap();
         let logits = m.logits_for(&tokens, &mut kv).unwrap();
         for (i, row) in logits.iter().enumerate().take(top1.len()) {
             total += 1;
-            let ours = argmax(row);
-            if ours == top1[i] {
+            if argmax(row) == top1[i] {
                 agree += 1;
             } else {
-                // Count disagreements where llama.cpp's own top-2 gap is tiny.
-                let mut sorted = row.clone();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                if (sorted[0] - sorted[1]).abs() < 0.05 {
-                    near_tie += 1;
-                }
+                let l = top5[i].as_array().unwrap();
+                let margin = l[0].as_f64().unwrap() - l[1].as_f64().unwrap();
+                worst_margin = worst_margin.max(margin);
             }
         }
     }
-    (agree, total, near_tie)
+    (agree, total, worst_margin)
+}
+
+/// Top-1 agreement with llama.cpp, and every disagreement a near-tie in llama.cpp's own
+/// logits. Two correct engines that quantise activations differently disagree on ~3% of
+/// positions here (this engine's quantised and f32-dequantised paths do too; see
+/// docs/benchmarks.md), so the margin bound is what catches a real model bug: a wrong
+/// RoPE, norm or attention flips confident predictions.
+fn check_agreement(name: &str, path: &Path) {
+    let (agree, total, worst) = agreement(path);
+    let rate = agree as f64 / total as f64;
+    println!("{name}: top-1 agreement with llama.cpp {agree}/{total} = {rate:.4}; largest llama.cpp margin among disagreements {worst:.3}");
+    assert!(total >= 2000, "reference has only {total} positions");
+    assert!(rate >= 0.96, "{name}: top-1 agreement {rate:.4} < 0.96");
+    assert!(
+        worst < 1.5,
+        "{name}: disagreement where llama.cpp is confident (margin {worst:.3})"
+    );
 }
 
 #[test]
 fn smollm2_top1_agrees_with_llama_cpp() {
-    let (agree, total, near_tie) = agreement(&common::smollm2());
-    let rate = agree as f64 / total as f64;
-    println!("SmolLM2: top-1 agreement {agree}/{total} = {:.4} ({near_tie} of the misses are near-ties)", rate);
-    assert!(total >= 2000, "reference has only {total} positions");
-    assert!(rate >= 0.99, "top-1 agreement {rate:.4} < 0.99");
+    check_agreement("SmolLM2", &common::smollm2());
 }
 
 #[test]
 fn gemma3_top1_agrees_with_llama_cpp() {
-    let (agree, total, near_tie) = agreement(&common::gemma3());
-    let rate = agree as f64 / total as f64;
-    println!("Gemma 3: top-1 agreement {agree}/{total} = {:.4} ({near_tie} of the misses are near-ties)", rate);
-    assert!(total >= 2000, "reference has only {total} positions");
-    assert!(rate >= 0.99, "top-1 agreement {rate:.4} < 0.99");
+    check_agreement("Gemma 3", &common::gemma3());
 }
 
 #[test]
@@ -76,7 +92,12 @@ fn tokenizer_matches_llama_cpp_tokenization() {
         let (mut same, mut n) = (0, 0);
         for seq in reference["sequences"].as_array().unwrap() {
             let text = seq["text"].as_str().unwrap();
-            let expect: Vec<u32> = seq["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            let expect: Vec<u32> = seq["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
             let ours = tok.encode(text, add_bos).unwrap();
             n += 1;
             // References may be truncated; compare the common prefix length.
@@ -84,11 +105,19 @@ fn tokenizer_matches_llama_cpp_tokenization() {
             if ours[..k] == expect[..k] {
                 same += 1;
             } else {
-                println!("{}: tokenization differs for {:?}", path.display(), &text[..text.len().min(60)]);
+                println!(
+                    "{}: tokenization differs for {:?}",
+                    path.display(),
+                    &text[..text.len().min(60)]
+                );
             }
         }
         println!("{}: {same}/{n} texts tokenized identically", path.display());
-        assert!(same * 100 >= n * 95, "{}: only {same}/{n} texts tokenize like llama.cpp", path.display());
+        assert!(
+            same * 100 >= n * 95,
+            "{}: only {same}/{n} texts tokenize like llama.cpp",
+            path.display()
+        );
     }
 }
 
@@ -103,8 +132,14 @@ fn batched_and_unbatched_forwards_agree() {
         "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?",
         "Hi",
     ];
-    let seqs: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, false).unwrap()).collect();
-    let solo: Vec<Vec<Vec<f32>>> = seqs.iter().map(|s| m.logits_for(s, &mut kv).unwrap()).collect();
+    let seqs: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| tok.encode(t, false).unwrap())
+        .collect();
+    let solo: Vec<Vec<Vec<f32>>> = seqs
+        .iter()
+        .map(|s| m.logits_for(s, &mut kv).unwrap())
+        .collect();
     // Batched: each sequence split into two chunks; the second chunks run together, the
     // first chunks too, so every step mixes sequences of different lengths.
     let mut tables: Vec<Vec<u32>> = vec![vec![]; seqs.len()];
@@ -116,16 +151,36 @@ fn batched_and_unbatched_forwards_agree() {
         .iter()
         .zip(&tables)
         .zip(&cut)
-        .map(|((s, t), &c)| SeqBatch { tokens: s[..c].to_vec(), start_pos: 0, block_table: t.clone(), num_logits: c })
+        .map(|((s, t), &c)| SeqBatch {
+            tokens: s[..c].to_vec(),
+            start_pos: 0,
+            block_table: t.clone(),
+            num_logits: c,
+        })
         .collect();
-    let out1 = m.forward(&first, &mut kv, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+    let out1 = m
+        .forward(&first, &mut kv, &[])
+        .unwrap()
+        .logits
+        .to_vec2::<f32>()
+        .unwrap();
     let second: Vec<SeqBatch> = seqs
         .iter()
         .zip(&tables)
         .zip(&cut)
-        .map(|((s, t), &c)| SeqBatch { tokens: s[c..].to_vec(), start_pos: c, block_table: t.clone(), num_logits: s.len() - c })
+        .map(|((s, t), &c)| SeqBatch {
+            tokens: s[c..].to_vec(),
+            start_pos: c,
+            block_table: t.clone(),
+            num_logits: s.len() - c,
+        })
         .collect();
-    let out2 = m.forward(&second, &mut kv, &[]).unwrap().logits.to_vec2::<f32>().unwrap();
+    let out2 = m
+        .forward(&second, &mut kv, &[])
+        .unwrap()
+        .logits
+        .to_vec2::<f32>()
+        .unwrap();
     let mut rows = out1.iter();
     let mut batched: Vec<Vec<Vec<f32>>> = seqs.iter().map(|_| vec![]).collect();
     for (i, &c) in cut.iter().enumerate() {
@@ -143,36 +198,59 @@ fn batched_and_unbatched_forwards_agree() {
     for (a, b) in solo.iter().zip(&batched) {
         assert_eq!(a.len(), b.len());
         for (ra, rb) in a.iter().zip(b) {
-            assert_eq!(argmax(ra), argmax(rb), "greedy token differs between batched and solo");
+            assert_eq!(
+                argmax(ra),
+                argmax(rb),
+                "greedy token differs between batched and solo"
+            );
             for (x, y) in ra.iter().zip(rb) {
                 max_diff = max_diff.max((x - y).abs());
             }
         }
     }
     println!("max |logit diff| batched vs solo: {max_diff}");
-    assert!(max_diff < 0.05, "batched and solo logits differ by {max_diff}");
+    assert!(
+        max_diff < 0.05,
+        "batched and solo logits differ by {max_diff}"
+    );
 }
 
 #[test]
 fn bad_model_files_give_clear_errors() {
     let dir = std::env::temp_dir().join(format!("dspark-bad-models-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let err = |p: &Path| Model::load(p, &Device::Cpu, &|_, _| {}).err().expect("load must fail").to_string();
+    let err = |p: &Path| {
+        format!(
+            "{:#}",
+            Model::load(p, &Device::Cpu, &|_, _| {})
+                .err()
+                .expect("load must fail")
+        )
+    };
 
     let missing = dir.join("nope.gguf");
     let e = err(&missing);
-    assert!(e.contains("nope.gguf") && e.contains("does not exist"), "{e}");
+    assert!(
+        e.contains("nope.gguf") && e.contains("does not exist"),
+        "{e}"
+    );
 
     let garbage = dir.join("garbage.gguf");
     std::fs::write(&garbage, b"this is not a gguf file at all").unwrap();
     let e = err(&garbage);
-    assert!(e.contains("garbage.gguf") && e.contains("not a readable GGUF"), "{e}");
+    assert!(
+        e.contains("garbage.gguf") && e.contains("not a readable GGUF"),
+        "{e}"
+    );
 
     let bytes = std::fs::read(common::smollm2()).unwrap();
     let truncated = dir.join("truncated.gguf");
     std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
     let e = err(&truncated);
-    assert!(e.contains("truncated.gguf") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("truncated.gguf") && e.contains("truncated"),
+        "{e}"
+    );
 
     // A real GGUF header for an architecture we do not serve.
     let other = dir.join("gptneox.gguf");
@@ -183,7 +261,10 @@ fn bad_model_files_give_clear_errors() {
         write(&mut f, &md, &[]).unwrap();
     }
     let e = err(&other);
-    assert!(e.contains("gptneox.gguf") && e.contains("unsupported architecture 'gptneox'"), "{e}");
+    assert!(
+        e.contains("gptneox.gguf") && e.contains("unsupported architecture 'gptneox'"),
+        "{e}"
+    );
 
     let emptydir = dir.join("hf");
     std::fs::create_dir_all(&emptydir).unwrap();

@@ -1,1 +1,207 @@
-fn main() {}
+//! `dspark-operator`: waits for the leader Lease, then runs the DSparkDeployment controller;
+//! serves `/metrics` and `/healthz`; shuts down gracefully on SIGTERM (finishing reconciles in
+//! flight and releasing the Lease).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client};
+use tokio::sync::watch;
+use tracing::{error, info, warn};
+
+use dspark_operator::crd::DSparkDeployment;
+use dspark_operator::leader::LeaderElector;
+use dspark_operator::reconcile::pool::{LABEL_MANAGED_BY, MANAGER};
+use dspark_operator::reconcile::{error_policy, reconcile, Context};
+use dspark_operator::telemetry::{self, Metrics};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "dspark-operator",
+    version,
+    about = "Kubernetes operator for DSpark engine pools"
+)]
+struct Args {
+    /// Address of the operator's own HTTP server (/metrics, /healthz).
+    #[arg(long, env = "DSPARK_OPERATOR_HTTP", default_value = "0.0.0.0:8080")]
+    http: String,
+    /// Watch only this namespace (default: all).
+    #[arg(long, env = "DSPARK_WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Namespace of the leader Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    #[arg(long, default_value = "dspark-operator-leader")]
+    lease_name: String,
+    /// This replica's identity in the Lease (default: the host name and process id).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Lease duration in seconds; the holder renews every third of it.
+    #[arg(long, default_value_t = 15)]
+    lease_seconds: u64,
+    /// Act without a Lease (one replica only, e.g. in tests).
+    #[arg(long)]
+    no_leader_election: bool,
+}
+
+/// Resolves when SIGTERM or Ctrl-C arrives.
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "local".into());
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let client = Client::try_default()
+        .await
+        .context("no Kubernetes configuration (KUBECONFIG or in-cluster)")?;
+    let metrics = Arc::new(Metrics::default());
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        info!("shutdown requested");
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+
+    let listener = tokio::net::TcpListener::bind(&args.http)
+        .await
+        .with_context(|| format!("binding the operator's HTTP server to {}", args.http))?;
+    info!(addr = %args.http, "serving /metrics and /healthz");
+    let server = axum::serve(listener, telemetry::router(metrics.clone()))
+        .with_graceful_shutdown(stopped(stop_rx.clone()));
+    tokio::spawn(async move {
+        if let Err(e) = server.await {
+            error!("HTTP server failed: {e}");
+        }
+    });
+
+    let lease = Duration::from_secs(args.lease_seconds.max(3));
+    let elector = (!args.no_leader_election).then(|| {
+        Arc::new(LeaderElector::new(
+            client.clone(),
+            &args.lease_namespace,
+            &args.lease_name,
+            &identity,
+            lease,
+        ))
+    });
+    if let Some(el) = &elector {
+        info!(identity = el.identity(), lease = %args.lease_name, "waiting for leadership");
+        loop {
+            if *stop_rx.borrow() {
+                return Ok(());
+            }
+            match el.try_acquire_or_renew().await {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(e) => warn!("leader election: {e}"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(el.renew_period()) => {}
+                _ = stopped(stop_rx.clone()) => return Ok(()),
+            }
+        }
+        info!(identity = el.identity(), "acquired leadership");
+    }
+    metrics.leader.store(true, Ordering::Relaxed);
+
+    let dsds: Api<DSparkDeployment> = match &args.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let owned: Api<Deployment> = match &args.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let controller = Controller::new(dsds, watcher::Config::default()).owns(
+        owned,
+        watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")),
+    );
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: MANAGER.into(),
+            instance: Some(identity.clone()),
+        },
+    );
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        recorder,
+        metrics.clone(),
+        controller.store(),
+    ));
+
+    // Leadership lost (renewal failed for a whole lease duration): stop acting at once.
+    let (lost_tx, lost_rx) = watch::channel(false);
+    if let Some(el) = elector.clone() {
+        tokio::spawn(async move {
+            let mut last_ok = tokio::time::Instant::now();
+            loop {
+                tokio::time::sleep(el.renew_period()).await;
+                match el.try_acquire_or_renew().await {
+                    Ok(true) => last_ok = tokio::time::Instant::now(),
+                    Ok(false) => {
+                        let _ = lost_tx.send(true);
+                        return;
+                    }
+                    Err(e) => warn!("renewing the lease: {e}"),
+                }
+                if last_ok.elapsed() >= lease {
+                    let _ = lost_tx.send(true);
+                    return;
+                }
+            }
+        });
+    }
+    let lost = stopped(lost_rx.clone());
+    let stop = stopped(stop_rx.clone());
+    controller
+        .graceful_shutdown_on(async move {
+            tokio::select! {
+                _ = stop => {}
+                _ = lost => warn!("leadership lost; stopping"),
+            }
+        })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                warn!("controller: {e}");
+            }
+        })
+        .await;
+    metrics.leader.store(false, Ordering::Relaxed);
+    if *lost_rx.borrow() {
+        anyhow::bail!("lost the leader Lease; exiting so that a fresh replica can campaign");
+    }
+    if let Some(el) = &elector {
+        el.release().await.context("releasing the leader Lease")?;
+        info!("released the leader Lease");
+    }
+    Ok(())
+}

@@ -45,7 +45,9 @@ pub enum CostTableError {
         b_hi: u32,
         sps_hi: f64,
     },
-    #[error("cost table is for model '{table}' but this engine serves '{engine}'; profile this model")]
+    #[error(
+        "cost table is for model '{table}' but this engine serves '{engine}'; profile this model"
+    )]
     WrongModel { table: String, engine: String },
     #[error("cost table for device '{table}' does not match this engine's device '{engine}'; re-run `dspark-engine profile` on this device")]
     WrongDevice { table: String, engine: String },
@@ -58,8 +60,8 @@ pub enum CostTableError {
 impl CostTable {
     /// Parses and validates a table (structure only; see [`CostTable::check_compatible`]).
     pub fn from_json(text: &str) -> Result<Self, CostTableError> {
-        let table: CostTable =
-            serde_json::from_str(text.trim()).map_err(|e| CostTableError::Malformed(e.to_string()))?;
+        let table: CostTable = serde_json::from_str(text.trim())
+            .map_err(|e| CostTableError::Malformed(e.to_string()))?;
         table.validate()?;
         Ok(table)
     }
@@ -230,11 +232,20 @@ mod tests {
     #[test]
     fn refuses_non_monotone_and_bad_points() {
         let t = table(vec![(1, 100.0), (2, 120.0)]);
-        assert!(matches!(t.validate(), Err(CostTableError::NotMonotone { .. })));
+        assert!(matches!(
+            t.validate(),
+            Err(CostTableError::NotMonotone { .. })
+        ));
         let t = table(vec![(2, 100.0), (2, 90.0)]);
-        assert!(matches!(t.validate(), Err(CostTableError::BadPoint { index: 1, .. })));
+        assert!(matches!(
+            t.validate(),
+            Err(CostTableError::BadPoint { index: 1, .. })
+        ));
         let t = table(vec![(1, f64::NAN)]);
-        assert!(matches!(t.validate(), Err(CostTableError::BadPoint { index: 0, .. })));
+        assert!(matches!(
+            t.validate(),
+            Err(CostTableError::BadPoint { index: 0, .. })
+        ));
         assert_eq!(table(vec![]).validate(), Err(CostTableError::Empty));
         let mut t = table(vec![(1, 10.0)]);
         t.schema = 99;
@@ -251,7 +262,9 @@ mod tests {
         assert!(t.check_compatible("smollm2", "cpu", "0.1.9").is_ok());
         let e = t.check_compatible("other", "cpu", "0.1.3").unwrap_err();
         assert!(e.to_string().contains("'smollm2'"));
-        let e = t.check_compatible("smollm2", "NVIDIA H200", "0.1.3").unwrap_err();
+        let e = t
+            .check_compatible("smollm2", "NVIDIA H200", "0.1.3")
+            .unwrap_err();
         assert!(e.to_string().contains("NVIDIA H200"));
         assert!(t.check_compatible("smollm2", "cpu", "0.2.0").is_err());
     }
@@ -267,7 +280,9 @@ mod tests {
 
     #[test]
     fn compact_round_trips_and_fits() {
-        let pts: Vec<(u32, f64)> = (0..64).map(|i| (i + 1, 1000.0 / (i as f64 + 1.0))).collect();
+        let pts: Vec<(u32, f64)> = (0..64)
+            .map(|i| (i + 1, 1000.0 / (i as f64 + 1.0)))
+            .collect();
         let t = table(pts);
         let c = t.to_compact().unwrap();
         assert!(c.len() <= MAX_COMPACT_BYTES);
@@ -278,11 +293,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn sps_is_non_increasing(raw in proptest::collection::vec(1.0f64..1000.0, 1..20), b in 1u32..200) {
+        fn sps_is_non_increasing(raw in proptest::collection::vec(1.0f64..1000.0, 1..11), b in 1u32..200) {
             let mut sps = raw.clone();
             sps.sort_by(|a, b| b.partial_cmp(a).unwrap());
-            let t = table(sps.into_iter().enumerate().map(|(i, s)| (1u32 << i.min(10), s)).collect::<Vec<_>>()
-                .into_iter().fold(Vec::new(), |mut acc: Vec<(u32, f64)>, p| { if acc.last().map_or(true, |l| l.0 < p.0) { acc.push(p) } acc }));
+            let t = table(sps.into_iter().enumerate().map(|(i, s)| (1u32 << i, s)).collect());
             t.validate().unwrap();
             prop_assert!(t.sps(b) >= t.sps(b + 1) - 1e-9);
         }

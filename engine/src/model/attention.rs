@@ -53,15 +53,19 @@ impl PagedAttention {
     /// Returns `[T, num_heads * head_dim]`.
     pub fn forward(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
         if q.device().is_cpu() {
-            q.contiguous()?
-                .apply_op3_no_bwd(k_cache, v_cache, self)
+            q.contiguous()?.apply_op3_no_bwd(k_cache, v_cache, self)
         } else {
             self.forward_generic(q, k_cache, v_cache)
         }
     }
 
     /// Device-independent reference built from tensor ops (gather, matmul, mask, softmax).
-    pub fn forward_generic(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor) -> Result<Tensor> {
+    pub fn forward_generic(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+    ) -> Result<Tensor> {
         let dev = q.device();
         let (t, nh, hd) = q.dims3()?;
         let group = self.num_heads / self.num_kv_heads;
@@ -91,7 +95,10 @@ impl PagedAttention {
                 .reshape((s.kv_len, nh, hd))?
                 .transpose(0, 1)?
                 .contiguous()?;
-            let qs = q.narrow(0, s.q_start, s.q_len)?.transpose(0, 1)?.contiguous()?; // [nh, q, hd]
+            let qs = q
+                .narrow(0, s.q_start, s.q_len)?
+                .transpose(0, 1)?
+                .contiguous()?; // [nh, q, hd]
             let scores = (qs.matmul(&k.t()?)? * self.scale as f64)?; // [nh, q, L]
             let mut mask = vec![f32::NEG_INFINITY; s.q_len * s.kv_len];
             for qi in 0..s.q_len {
@@ -168,49 +175,45 @@ impl CustomOp3 for PagedAttention {
         // Map each flat row to its sequence.
         let mut row_seq = vec![usize::MAX; t];
         for (si, s) in self.seqs.iter().enumerate() {
-            for r in s.q_start..s.q_start + s.q_len {
-                row_seq[r] = si;
-            }
+            row_seq[s.q_start..s.q_start + s.q_len].fill(si);
         }
-        out.par_chunks_mut(hd)
-            .enumerate()
-            .for_each(|(task, o)| {
-                let (row, h) = (task / nh, task % nh);
-                let si = row_seq[row];
-                if si == usize::MAX {
-                    return;
-                }
-                let s = &self.seqs[si];
-                let qi = row - s.q_start;
-                let (lo, hi) = self.visible(s, qi);
-                if lo >= hi {
-                    return;
-                }
-                let qv = &q[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-                let kvh = h / group;
-                let mut scores = Vec::with_capacity(hi - lo);
-                let mut m = f32::NEG_INFINITY;
-                for p in lo..hi {
-                    let slot = s.block_table[p / self.block_size] as usize * self.block_size
-                        + p % self.block_size;
-                    let off = slot * kv_dim + kvh * hd;
-                    let sc = dot(qv, &kc[off..off + hd]) * self.scale;
-                    m = m.max(sc);
-                    scores.push(sc);
-                }
-                let mut l = 0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - m).exp();
-                    l += *sc;
-                }
-                let inv = 1.0 / l;
-                for (i, p) in (lo..hi).enumerate() {
-                    let slot = s.block_table[p / self.block_size] as usize * self.block_size
-                        + p % self.block_size;
-                    let off = slot * kv_dim + kvh * hd;
-                    axpy(o, scores[i] * inv, &vc[off..off + hd]);
-                }
-            });
+        out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
+            let (row, h) = (task / nh, task % nh);
+            let si = row_seq[row];
+            if si == usize::MAX {
+                return;
+            }
+            let s = &self.seqs[si];
+            let qi = row - s.q_start;
+            let (lo, hi) = self.visible(s, qi);
+            if lo >= hi {
+                return;
+            }
+            let qv = &q[(row * nh + h) * hd..(row * nh + h + 1) * hd];
+            let kvh = h / group;
+            let mut scores = Vec::with_capacity(hi - lo);
+            let mut m = f32::NEG_INFINITY;
+            for p in lo..hi {
+                let slot = s.block_table[p / self.block_size] as usize * self.block_size
+                    + p % self.block_size;
+                let off = slot * kv_dim + kvh * hd;
+                let sc = dot(qv, &kc[off..off + hd]) * self.scale;
+                m = m.max(sc);
+                scores.push(sc);
+            }
+            let mut l = 0f32;
+            for sc in scores.iter_mut() {
+                *sc = (*sc - m).exp();
+                l += *sc;
+            }
+            let inv = 1.0 / l;
+            for (i, p) in (lo..hi).enumerate() {
+                let slot = s.block_table[p / self.block_size] as usize * self.block_size
+                    + p % self.block_size;
+                let off = slot * kv_dim + kvh * hd;
+                axpy(o, scores[i] * inv, &vc[off..off + hd]);
+            }
+        });
         Ok((CpuStorage::F32(out), Shape::from((t, nh * hd))))
     }
 }
@@ -227,9 +230,27 @@ mod tests {
         let kc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();
         let vc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();
         let seqs = vec![
-            AttnSeq { q_start: 0, q_len: 3, q_pos0: 5, kv_len: 8, block_table: vec![7, 2] },
-            AttnSeq { q_start: 3, q_len: 1, q_pos0: 0, kv_len: 1, block_table: vec![4] },
-            AttnSeq { q_start: 4, q_len: 5, q_pos0: 6, kv_len: 11, block_table: vec![9, 1, 15] },
+            AttnSeq {
+                q_start: 0,
+                q_len: 3,
+                q_pos0: 5,
+                kv_len: 8,
+                block_table: vec![7, 2],
+            },
+            AttnSeq {
+                q_start: 3,
+                q_len: 1,
+                q_pos0: 0,
+                kv_len: 1,
+                block_table: vec![4],
+            },
+            AttnSeq {
+                q_start: 4,
+                q_len: 5,
+                q_pos0: 6,
+                kv_len: 11,
+                block_table: vec![9, 1, 15],
+            },
         ];
         let q = Tensor::randn(0f32, 1.0, (9, nh, hd), &dev).unwrap();
         let op = PagedAttention {
@@ -244,7 +265,14 @@ mod tests {
         };
         let a = op.forward(&q, &kc, &vc).unwrap();
         let b = op.forward_generic(&q, &kc, &vc).unwrap();
-        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let d = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         assert!(d < 1e-4, "kernel and reference differ by {d}");
     }
 

@@ -76,7 +76,9 @@ impl ModelConfig {
     }
 
     fn finish(mut self) -> Result<Self> {
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             bail!(
                 "invalid head counts: {} query heads, {} key/value heads",
@@ -84,7 +86,7 @@ impl ModelConfig {
                 self.num_kv_heads
             );
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!("invalid head dimension {}", self.head_dim);
         }
         if self.sliding_layers.len() != self.num_layers {
@@ -199,9 +201,11 @@ impl ModelConfig {
             head_dim,
             rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
-            rope_local_theta: c
-                .rope_local_base_freq
-                .unwrap_or(if gemma { 10_000.0 } else { rope_theta }),
+            rope_local_theta: c.rope_local_base_freq.unwrap_or(if gemma {
+                10_000.0
+            } else {
+                rope_theta
+            }),
             max_position: c.max_position_embeddings.unwrap_or(4096),
             qk_norm: arch != Arch::Llama,
             sandwich_norms: gemma,

@@ -303,4 +303,3 @@ pub fn argmax(row: &[f32]) -> u32 {
     }
     best as u32
 }
-

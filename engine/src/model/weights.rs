@@ -167,12 +167,11 @@ pub fn load_gguf(
             cfg.hidden_size
         );
     }
-    let dtype = r
-        .ct
-        .tensor_infos
-        .get("blk.0.ffn_up.weight")
-        .map(|i| format!("{:?}", i.ggml_dtype).to_lowercase())
-        .unwrap_or_else(|| "unknown".into());
+    let dtype =
+        r.ct.tensor_infos
+            .get("blk.0.ffn_up.weight")
+            .map(|i| format!("{:?}", i.ggml_dtype).to_lowercase())
+            .unwrap_or_else(|| "unknown".into());
     progress(1, total);
     let permuted = cfg.arch == Arch::Llama;
     let mut layers = Vec::with_capacity(cfg.num_layers);

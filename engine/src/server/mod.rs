@@ -130,7 +130,12 @@ struct Prepared {
     logprobs: Option<usize>,
 }
 
-fn check_lengths(st: &AppState, prompt: Vec<u32>, v: Validated, logprobs: Option<usize>) -> Result<Prepared, ApiError> {
+fn check_lengths(
+    st: &AppState,
+    prompt: Vec<u32>,
+    v: Validated,
+    logprobs: Option<usize>,
+) -> Result<Prepared, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
@@ -148,12 +153,19 @@ fn check_lengths(st: &AppState, prompt: Vec<u32>, v: Validated, logprobs: Option
             ),
         ));
     }
-    Ok(Prepared { prompt, v, max_tokens, logprobs })
+    Ok(Prepared {
+        prompt,
+        v,
+        max_tokens,
+        logprobs,
+    })
 }
 
 fn submit(st: &Arc<AppState>, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
     if st.draining.load(Ordering::SeqCst) {
-        return Err(ApiError::unavailable("the server is shutting down; retry on another replica"));
+        return Err(ApiError::unavailable(
+            "the server is shutting down; retry on another replica",
+        ));
     }
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     st.engine
@@ -192,7 +204,10 @@ async fn chat_completions(
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
             return Err(ApiError::invalid(
                 &format!("messages[{i}].role"),
                 format!("unknown role '{}'; use system, user or assistant", m.role),
@@ -207,7 +222,10 @@ async fn chat_completions(
                     if p.kind != "text" {
                         return Err(ApiError::invalid(
                             &format!("messages[{i}].content"),
-                            format!("content part type '{}' is not supported by a text model", p.kind),
+                            format!(
+                                "content part type '{}' is not supported by a text model",
+                                p.kind
+                            ),
                         ));
                     }
                     s.push_str(p.text.as_deref().unwrap_or(""));
@@ -215,18 +233,28 @@ async fn chat_completions(
                 s
             }
         };
-        let role = if m.role == "developer" { "system".into() } else { m.role.clone() };
+        let role = if m.role == "developer" {
+            "system".into()
+        } else {
+            m.role.clone()
+        };
         messages.push(ChatMessage { role, content });
     }
     let logprobs = if req.logprobs.unwrap_or(false) {
         let k = req.top_logprobs.unwrap_or(0);
         if !(0..=20).contains(&k) {
-            return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and 20, got {k}")));
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                format!("top_logprobs must be between 0 and 20, got {k}"),
+            ));
         }
         Some(k as usize)
     } else {
         if req.top_logprobs.is_some_and(|k| k > 0) {
-            return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ));
         }
         None
     };
@@ -236,7 +264,9 @@ async fn chat_completions(
             .template
             .render(&messages, true)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        st2.tok.encode(&text, false).map_err(|e| ApiError::invalid("messages", e.to_string()))
+        st2.tok
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
@@ -275,7 +305,9 @@ async fn chat_completions(
                 v
             }
         });
-        return Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response());
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     let (text, lps, reason, usage) = collect(rx).await?;
     drop(guard);
@@ -309,13 +341,21 @@ async fn completions(
     if prompts.len() != 1 {
         return Err(ApiError::invalid(
             "prompt",
-            format!("send exactly one prompt per request (got {})", prompts.len()),
+            format!(
+                "send exactly one prompt per request (got {})",
+                prompts.len()
+            ),
         ));
     }
     let logprobs = match req.logprobs {
         None => None,
         Some(k) if (0..=20).contains(&k) => Some(k as usize),
-        Some(k) => return Err(ApiError::invalid("logprobs", format!("logprobs must be between 0 and 20, got {k}"))),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs must be between 0 and 20, got {k}"),
+            ))
+        }
     };
     let mut v = v;
     if v.max_tokens.is_none() {
@@ -358,7 +398,9 @@ async fn completions(
                 v
             }
         });
-        return Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response());
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
     }
     let (text, lps, reason, usage) = collect(rx).await?;
     drop(guard);
@@ -379,6 +421,8 @@ fn usage_json(u: &Usage) -> Value {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "draft_tokens": u.draft_tokens,
+        "accepted_draft_tokens": u.accepted_draft_tokens,
     })
 }
 
@@ -436,42 +480,50 @@ where
             .collect()
     }
     let state = (rx, guard, render, true, false);
-    futures::stream::unfold(state, |(mut rx, guard, mut render, mut first, done)| async move {
-        if done {
-            return None;
-        }
-        let (out, finished) = match rx.recv().await {
-            Some(Event::Delta { text, logprobs }) => {
-                let lp = if logprobs.is_empty() { None } else { Some(logprobs) };
-                let f = frames(render(Chunk::Text(text, lp), first));
-                first = false;
-                (f, false)
+    futures::stream::unfold(
+        state,
+        |(mut rx, guard, mut render, mut first, done)| async move {
+            if done {
+                return None;
             }
-            Some(Event::Finished { reason, usage }) => {
-                let mut f = Vec::new();
-                if first {
-                    f.extend(frames(render(Chunk::Text(String::new(), None), true)));
+            let (out, finished) = match rx.recv().await {
+                Some(Event::Delta { text, logprobs }) => {
+                    let lp = if logprobs.is_empty() {
+                        None
+                    } else {
+                        Some(logprobs)
+                    };
+                    let f = frames(render(Chunk::Text(text, lp), first));
+                    first = false;
+                    (f, false)
                 }
-                f.extend(frames(render(Chunk::Done(reason.as_str(), usage), false)));
-                f.push(SseEvent::default().data("[DONE]"));
-                (f, true)
-            }
-            Some(Event::Error(e)) => {
-                let body = ApiError::internal(e).body();
-                (
-                    vec![
-                        SseEvent::default().data(serde_json::to_string(&body).unwrap_or_default()),
-                        SseEvent::default().data("[DONE]"),
-                    ],
-                    true,
-                )
-            }
-            None => (vec![], true),
-        };
-        Some((
-            futures::stream::iter(out.into_iter().map(Ok)),
-            (rx, guard, render, first, finished),
-        ))
-    })
+                Some(Event::Finished { reason, usage }) => {
+                    let mut f = Vec::new();
+                    if first {
+                        f.extend(frames(render(Chunk::Text(String::new(), None), true)));
+                    }
+                    f.extend(frames(render(Chunk::Done(reason.as_str(), usage), false)));
+                    f.push(SseEvent::default().data("[DONE]"));
+                    (f, true)
+                }
+                Some(Event::Error(e)) => {
+                    let body = ApiError::internal(e).body();
+                    (
+                        vec![
+                            SseEvent::default()
+                                .data(serde_json::to_string(&body).unwrap_or_default()),
+                            SseEvent::default().data("[DONE]"),
+                        ],
+                        true,
+                    )
+                }
+                None => (vec![], true),
+            };
+            Some((
+                futures::stream::iter(out.into_iter().map(Ok)),
+                (rx, guard, render, first, finished),
+            ))
+        },
+    )
     .flatten()
 }

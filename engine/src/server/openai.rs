@@ -97,19 +97,31 @@ pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
     let bad = |param: &str, msg: String| Err(ApiError::invalid(param, msg));
     if let Some(n) = c.n {
         if n != 1 {
-            return bad("n", format!("n={n} is not supported; this server returns one choice per request (n=1)"));
+            return bad(
+                "n",
+                format!("n={n} is not supported; this server returns one choice per request (n=1)"),
+            );
         }
     }
-    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+    for (name, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
         if let Some(v) = v {
             if v != 0.0 {
-                return bad(name, format!("{name} is not supported (got {v}); omit it or send 0"));
+                return bad(
+                    name,
+                    format!("{name} is not supported (got {v}); omit it or send 0"),
+                );
             }
         }
     }
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) || temperature.is_nan() {
-        return bad("temperature", format!("temperature must be between 0 and 2, got {temperature}"));
+        return bad(
+            "temperature",
+            format!("temperature must be between 0 and 2, got {temperature}"),
+        );
     }
     let top_p = c.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -117,21 +129,34 @@ pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
     }
     let top_k = c.top_k.unwrap_or(0);
     if top_k < -1 {
-        return bad("top_k", format!("top_k must be -1, 0 (off) or positive, got {top_k}"));
+        return bad(
+            "top_k",
+            format!("top_k must be -1, 0 (off) or positive, got {top_k}"),
+        );
     }
     let max_tokens = c.max_completion_tokens.or(c.max_tokens);
     if let Some(m) = max_tokens {
         if m < 1 {
-            return bad("max_tokens", format!("max_tokens must be at least 1, got {m}"));
+            return bad(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {m}"),
+            );
         }
     }
     let stop = c.stop.as_ref().map(|s| match s {
         StringOrVec::One(x) => vec![x.clone()],
         StringOrVec::Many(v) => v.clone(),
     });
-    let stop: Vec<String> = stop.unwrap_or_default().into_iter().filter(|s| !s.is_empty()).collect();
+    let stop: Vec<String> = stop
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect();
     if stop.len() > 4 {
-        return bad("stop", format!("at most 4 stop strings are allowed, got {}", stop.len()));
+        return bad(
+            "stop",
+            format!("at most 4 stop strings are allowed, got {}", stop.len()),
+        );
     }
     Ok(Validated {
         params: crate::sampling::SamplingParams {

@@ -29,7 +29,11 @@ pub fn gemma3() -> PathBuf {
 }
 
 pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
-    let name = model_file.file_name().unwrap().to_string_lossy().to_string();
+    let name = model_file
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
     let p = cache_dir().join("reference").join(format!("{name}.json"));
     let alt = cache_dir()
         .join("reference")

@@ -1,0 +1,227 @@
+//! SPS(B) profiling: target-forward steps per second with B tokens in one batch, measured on
+//! the actual model, device and dtype, written as a versioned cost table.
+//!
+//! Each point runs the same path as serving: B tokens spread over several sequences that
+//! already hold a realistic context in the paged KV cache, one batched forward per step.
+
+use crate::kv::KvCache;
+use crate::model::{Model, SeqBatch};
+use anyhow::Result;
+use dspark_types::{CostTable, COST_TABLE_SCHEMA};
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct ProfileOptions {
+    /// Batch sizes to measure.
+    pub grid: Vec<u32>,
+    /// Context already in the cache for every sequence.
+    pub context: usize,
+    /// Tokens each sequence contributes per step (1 = plain decode, >1 = verify blocks).
+    pub tokens_per_seq: usize,
+    pub warmup: usize,
+    pub min_reps: usize,
+    pub max_reps: usize,
+    /// Stop repeating once the relative standard error is below this.
+    pub target_rel_err: f64,
+}
+
+impl Default for ProfileOptions {
+    fn default() -> Self {
+        Self {
+            grid: vec![1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64],
+            context: 256,
+            tokens_per_seq: 4,
+            warmup: 2,
+            min_reps: 5,
+            max_reps: 60,
+            target_rel_err: 0.02,
+        }
+    }
+}
+
+/// Log-spaced grid 1..=max with about `per_octave` points per doubling.
+pub fn log_grid(max: u32, per_octave: u32) -> Vec<u32> {
+    let mut g: Vec<u32> = Vec::new();
+    let steps = ((max as f64).log2() * per_octave as f64).ceil() as u32;
+    for i in 0..=steps {
+        let b = 2f64.powf(i as f64 / per_octave as f64).round() as u32;
+        let b = b.clamp(1, max);
+        if g.last() != Some(&b) {
+            g.push(b);
+        }
+    }
+    g
+}
+
+/// One measured point: mean seconds per forward and its relative standard error.
+pub struct Point {
+    pub b: u32,
+    pub seconds: f64,
+    pub rel_err: f64,
+    pub reps: usize,
+}
+
+/// Measures SPS(B) for every B of the grid. `progress(point)` is called after each.
+pub fn measure(
+    model: &Model,
+    kv: &mut KvCache,
+    opts: &ProfileOptions,
+    progress: &mut dyn FnMut(&Point),
+) -> Result<Vec<Point>> {
+    let mut points = Vec::new();
+    for &b in &opts.grid {
+        let b = b as usize;
+        let per = opts.tokens_per_seq.clamp(1, b);
+        let nseq = b.div_ceil(per);
+        let mut tables = Vec::new();
+        for _ in 0..nseq {
+            let mut t = Vec::new();
+            anyhow::ensure!(
+                kv.ensure(&mut t, opts.context + per),
+                "KV cache too small to profile B={b} with context {}",
+                opts.context
+            );
+            tables.push(t);
+        }
+        // Fill the contexts (one batched prefill), then time the B-token steps.
+        let vocab = model.cfg.vocab_size as u32;
+        let ctx_batch: Vec<SeqBatch> = tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| SeqBatch {
+                tokens: (0..opts.context)
+                    .map(|j| ((i * 7919 + j * 104_729) as u32 % (vocab - 1)) + 1)
+                    .collect(),
+                start_pos: 0,
+                block_table: t.clone(),
+                num_logits: 0,
+            })
+            .collect();
+        if opts.context > 0 {
+            model.forward(&ctx_batch, kv, &[])?;
+        }
+        let mut left = b;
+        let step: Vec<SeqBatch> = tables
+            .iter()
+            .map(|t| {
+                let n = per.min(left);
+                left -= n;
+                SeqBatch {
+                    tokens: (0..n as u32).map(|j| 100 + j).collect(),
+                    start_pos: opts.context,
+                    block_table: t.clone(),
+                    num_logits: n,
+                }
+            })
+            .filter(|s| !s.tokens.is_empty())
+            .collect();
+        for _ in 0..opts.warmup {
+            model.forward(&step, kv, &[])?;
+        }
+        let mut times = Vec::new();
+        loop {
+            let t0 = Instant::now();
+            let out = model.forward(&step, kv, &[])?;
+            // Logits must reach the host, as in serving.
+            let _ = out.logits.to_vec2::<f32>()?;
+            times.push(t0.elapsed().as_secs_f64());
+            let n = times.len() as f64;
+            let mean = times.iter().sum::<f64>() / n;
+            let var = times.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+            let rel = (var / n).sqrt() / mean;
+            if (times.len() >= opts.min_reps && rel < opts.target_rel_err)
+                || times.len() >= opts.max_reps
+            {
+                let p = Point {
+                    b: b as u32,
+                    seconds: mean,
+                    rel_err: rel,
+                    reps: times.len(),
+                };
+                progress(&p);
+                points.push(p);
+                break;
+            }
+        }
+        for mut t in tables {
+            kv.truncate(&mut t, 0);
+        }
+    }
+    Ok(points)
+}
+
+/// Builds a valid cost table from measured points. Noise can make a larger B look a bit
+/// faster; SPS is made non-increasing by carrying the running minimum forward.
+pub fn cost_table(
+    model: &Model,
+    device: &str,
+    node_type: Option<String>,
+    drafter_id: Option<String>,
+    points: &[Point],
+) -> CostTable {
+    let mut pts = Vec::new();
+    let mut floor = f64::INFINITY;
+    for p in points {
+        let sps = (1.0 / p.seconds).min(floor);
+        floor = sps;
+        pts.push((p.b, sps));
+    }
+    CostTable {
+        schema: COST_TABLE_SCHEMA,
+        model_id: model.id.clone(),
+        drafter_id,
+        engine_version: crate::VERSION.to_string(),
+        device: device.to_string(),
+        node_type,
+        dtype: model.weights.dtype.clone(),
+        measured_at: rfc3339_now(),
+        points: pts,
+    }
+}
+
+/// Current UTC time as RFC 3339 (seconds precision).
+pub fn rfc3339_now() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_is_log_spaced_and_complete() {
+        let g = log_grid(64, 2);
+        assert_eq!(g.first(), Some(&1));
+        assert_eq!(g.last(), Some(&64));
+        assert!(g.windows(2).all(|w| w[0] < w[1]));
+        assert!(g.contains(&8) && g.contains(&32));
+    }
+
+    #[test]
+    fn timestamp_shape() {
+        let t = rfc3339_now();
+        assert_eq!(t.len(), 20);
+        assert!(t.starts_with("20") && t.ends_with('Z'));
+    }
+}

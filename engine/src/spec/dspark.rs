@@ -1,0 +1,936 @@
+//! The DSpark drafter (issue #4): a parallel block drafter with a sequential head and a
+//! calibrated confidence head, as a model of its own next to the target.
+//!
+//! Equations implemented (numbering of `shared/method.md`, "Drafter: semi-autoregressive
+//! generation" and "Sequential Temperature Scaling"):
+//! - target features: `c_t = RMSNorm(fc([f_{id_1}(t); ..; f_{id_L}(t)]))`, where `f_id` is the
+//!   OUTPUT of target layer `id` (`hidden_states[id + 1]` in Hugging Face terms) and by default
+//!   `id_i = round(1 + i (N - 4) / (L - 1))`, L = 3 ([`default_target_layers`]);
+//! - KV injection: in every drafter layer the block `[x_0, MASK x (gamma - 1)]` at absolute
+//!   positions `anchor_pos..anchor_pos + gamma` is the only query; keys/values are
+//!   `[k_proj(c_{<anchor}); k_proj(block)]` (same projections, q/k norms, RoPE), attended
+//!   bidirectionally. The context part lives in the drafter's own paged [`KvCache`]
+//!   ([`DSparkDrafter::append_context`]);
+//! - parallel logits `U_k = lm_head(h_k)`, `h_k = RMSNorm(drafter output at block position k)`,
+//!   with the TARGET's embedding and LM head (frozen, never stored here);
+//! - sequential head, left to right from `x_0 = anchor`:
+//!   Markov `B_k = W2 W1[x_{k-1}]`; RNN `[g, c, o] = Linear([s_{k-1}; W1[x_{k-1}]; h_k])`,
+//!   `s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)`, `B_k = W2 tanh(o)`, `s_0 = 0`;
+//!   parallel (DFlash baseline) `B_k = 0`; `q_k = softmax(U_k + B_k)` as processed by the
+//!   request's sampling parameters ([`target_probs`]), `x_k ~ q_k`;
+//! - confidence `c_k = sigmoid(w . [h_k; W1[x_{k-1}]] + b)` (`w . h_k` alone for the parallel
+//!   head, which has no `W1`), then STS `c_k <- sigmoid(logit(c_k) / T_k)`.
+//!
+//! A reduced draft vocabulary (EAGLE-3 style) restricts `U_k`, `W2` and sampling to a list of
+//! target ids; `q_k` is still returned over the full target vocabulary (zero outside), so
+//! verification stays exact.
+//!
+//! Checkpoints are folders with `config.json` ([`DSparkConfig`]) and `model.safetensors`
+//! (tensor names of the reference implementations, stored in bf16/f16/f32, computed in f32).
+
+mod head;
+#[cfg(test)]
+mod tests;
+
+use crate::kv::KvCache;
+use crate::model::attention::{AttnSeq, PagedAttention};
+use crate::model::{Model, ModelConfig};
+use crate::sampling::{target_probs, Dist, SamplingParams};
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::ops::rms_norm;
+use candle_nn::Linear;
+use head::{ConfidenceHead, SeqHead};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+
+const CONFIG_FILE: &str = "config.json";
+const WEIGHTS_FILE: &str = "model.safetensors";
+
+/// The sequential stage on top of the parallel backbone (`markov_head_type` in configs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HeadKind {
+    /// No sequential head: the DFlash-style parallel baseline.
+    #[serde(rename = "none")]
+    Parallel,
+    #[serde(rename = "markov")]
+    Markov,
+    #[serde(rename = "rnn")]
+    Rnn,
+}
+
+/// `config.json` of a DSpark drafter: copies of the target's dimensions plus the drafter's own
+/// settings. Unknown fields (the rest of a copied target config) are ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DSparkConfig {
+    pub hidden_size: usize,
+    pub vocab_size: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    /// Drafter layers.
+    #[serde(default = "default_num_layers")]
+    pub num_hidden_layers: usize,
+    /// gamma: block length, the most draft tokens one block yields.
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// Token id of the mask inputs; ids `>= vocab_size` use the drafter's own `mask_embedding`.
+    pub mask_token_id: u32,
+    /// 0-based target layers whose outputs feed `fc`, ascending. Empty in a file means the
+    /// default spread ([`default_target_layers`] with L = 3).
+    #[serde(default)]
+    pub target_layer_ids: Vec<usize>,
+    /// Rank r of `W1`/`W2` (Markov and RNN heads).
+    #[serde(default = "default_rank")]
+    pub markov_rank: usize,
+    #[serde(default = "default_head")]
+    pub markov_head_type: HeadKind,
+    /// Without a confidence head, a draft token's confidence is its probability under the raw
+    /// (temperature 1, unfiltered) softmax of the drafter's logits.
+    #[serde(default = "default_true")]
+    pub enable_confidence_head: bool,
+    /// Per-position STS temperatures `T_k`, `block_size` of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sts_temperatures: Option<Vec<f32>>,
+    /// Reduced draft vocabulary: target ids the draft LM head (and `W2`) cover, in row order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_vocab: Option<Vec<u32>>,
+}
+
+fn default_num_layers() -> usize {
+    1
+}
+fn default_block_size() -> usize {
+    7
+}
+fn default_rank() -> usize {
+    256
+}
+fn default_head() -> HeadKind {
+    HeadKind::Markov
+}
+fn default_true() -> bool {
+    true
+}
+
+/// `count` target layers spread evenly over `num_target_layers`:
+/// `id_i = round(1 + i (N - 4) / (count - 1))`, clamped to the model and deduplicated (targets
+/// under 4 layers get fewer ids).
+pub fn default_target_layers(num_target_layers: usize, count: usize) -> Vec<usize> {
+    let n = num_target_layers as f64;
+    let span = count.saturating_sub(1).max(1) as f64;
+    let mut ids: Vec<usize> = (0..count)
+        .map(|i| {
+            (1.0 + i as f64 * (n - 4.0) / span)
+                .round()
+                .clamp(0.0, n - 1.0) as usize
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+impl DSparkConfig {
+    fn seq_rank(&self) -> usize {
+        match self.markov_head_type {
+            HeadKind::Parallel => 0,
+            HeadKind::Markov | HeadKind::Rnn => self.markov_rank,
+        }
+    }
+
+    /// Rows of the draft LM head.
+    fn draft_vocab_size(&self) -> usize {
+        self.draft_vocab.as_ref().map_or(self.vocab_size, Vec::len)
+    }
+
+    /// Whether this config fits `target`; the message says what does not.
+    fn check(&self, target: &ModelConfig) -> std::result::Result<(), String> {
+        if self.hidden_size != target.hidden_size {
+            return Err(format!(
+                "hidden_size {} does not match the target's {}",
+                self.hidden_size, target.hidden_size
+            ));
+        }
+        if self.vocab_size != target.vocab_size {
+            return Err(format!(
+                "vocab_size {} does not match the target's {}",
+                self.vocab_size, target.vocab_size
+            ));
+        }
+        if self.num_attention_heads == 0
+            || self.num_key_value_heads == 0
+            || !self
+                .num_attention_heads
+                .is_multiple_of(self.num_key_value_heads)
+        {
+            return Err(format!(
+                "invalid head counts: {} query heads, {} key/value heads",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(format!("invalid head_dim {}", self.head_dim));
+        }
+        if self.num_hidden_layers == 0 || self.block_size == 0 || self.intermediate_size == 0 {
+            return Err(
+                "num_hidden_layers, block_size and intermediate_size must be positive".into(),
+            );
+        }
+        if self.markov_head_type != HeadKind::Parallel && self.markov_rank == 0 {
+            return Err("markov_rank must be positive for a markov or rnn head".into());
+        }
+        if self.target_layer_ids.is_empty() {
+            return Err("target_layer_ids is empty".into());
+        }
+        if !self.target_layer_ids.windows(2).all(|w| w[0] < w[1]) {
+            return Err(format!(
+                "target_layer_ids {:?} must be strictly ascending",
+                self.target_layer_ids
+            ));
+        }
+        if let Some(&id) = self
+            .target_layer_ids
+            .iter()
+            .find(|&&id| id >= target.num_layers)
+        {
+            return Err(format!(
+                "target layer id {id} is out of range: the target has {} layers (ids 0..{})",
+                target.num_layers,
+                target.num_layers - 1
+            ));
+        }
+        check_sts(self.block_size, self.sts_temperatures.as_deref())?;
+        if let Some(vocab) = &self.draft_vocab {
+            if vocab.is_empty() {
+                return Err("draft_vocab is empty".into());
+            }
+            if let Some(&id) = vocab.iter().find(|&&id| id as usize >= self.vocab_size) {
+                return Err(format!(
+                    "draft_vocab id {id} is outside the target vocabulary of {}",
+                    self.vocab_size
+                ));
+            }
+            if vocab.iter().collect::<HashSet<_>>().len() != vocab.len() {
+                return Err("draft_vocab has duplicate ids".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_sts(block_size: usize, temps: Option<&[f32]>) -> std::result::Result<(), String> {
+    match temps {
+        Some(t) if t.len() != block_size => Err(format!(
+            "sts_temperatures has {} entries, expected block_size = {block_size}",
+            t.len()
+        )),
+        Some(t) if t.iter().any(|x| !x.is_finite() || *x <= 0.0) => Err(format!(
+            "sts_temperatures {t:?} must be positive and finite"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// One request's drafting input.
+pub struct DraftRequest<'a> {
+    /// Last committed token `x_0`.
+    pub anchor: u32,
+    /// Its absolute position; the drafter context holds positions `< anchor_pos`.
+    pub anchor_pos: usize,
+    /// The request's block table in the DRAFTER cache, covering `anchor_pos + gamma`.
+    pub block_table: &'a [u32],
+    /// Draft tokens wanted, `1..=block_size`.
+    pub gamma: usize,
+    pub params: &'a SamplingParams,
+    pub rng: &'a mut ChaCha8Rng,
+}
+
+/// One drafted block: `tokens[k]` is the k-th token after the anchor, drawn from `q[k]` (a
+/// distribution over the FULL target vocabulary), and `confidence[k]` the (calibrated)
+/// probability that it passes verification given that all earlier ones did.
+#[derive(Debug, Clone)]
+pub struct DraftBlock {
+    pub tokens: Vec<u32>,
+    pub q: Vec<Dist>,
+    pub confidence: Vec<f32>,
+}
+
+/// How a parameter is initialised by [`DSparkDrafter::random`].
+enum Init {
+    Ones,
+    /// Uniform in `[-bound, bound]`.
+    Uniform(f32),
+}
+
+struct ParamSpec {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+/// Every tensor a drafter with `cfg` has, with its shape.
+fn param_specs(cfg: &DSparkConfig) -> Vec<ParamSpec> {
+    let (h, v, r) = (cfg.hidden_size, cfg.vocab_size, cfg.markov_rank);
+    let (q_dim, kv_dim) = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    );
+    let mut specs = Vec::new();
+    let mut add =
+        |name: String, shape: Vec<usize>, init: Init| specs.push(ParamSpec { name, shape, init });
+    let lin = |fan_in: usize| Init::Uniform(1.0 / (fan_in as f32).sqrt());
+    let ctx = cfg.target_layer_ids.len() * h;
+    add("fc.weight".into(), vec![h, ctx], lin(ctx));
+    add("hidden_norm.weight".into(), vec![h], Init::Ones);
+    add("norm.weight".into(), vec![h], Init::Ones);
+    for i in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("layers.{i}.{s}.weight");
+        add(p("input_layernorm"), vec![h], Init::Ones);
+        add(p("post_attention_layernorm"), vec![h], Init::Ones);
+        add(p("self_attn.q_proj"), vec![q_dim, h], lin(h));
+        add(p("self_attn.k_proj"), vec![kv_dim, h], lin(h));
+        add(p("self_attn.v_proj"), vec![kv_dim, h], lin(h));
+        add(p("self_attn.o_proj"), vec![h, q_dim], lin(q_dim));
+        add(p("self_attn.q_norm"), vec![cfg.head_dim], Init::Ones);
+        add(p("self_attn.k_norm"), vec![cfg.head_dim], Init::Ones);
+        add(p("mlp.gate_proj"), vec![cfg.intermediate_size, h], lin(h));
+        add(p("mlp.up_proj"), vec![cfg.intermediate_size, h], lin(h));
+        add(
+            p("mlp.down_proj"),
+            vec![h, cfg.intermediate_size],
+            lin(cfg.intermediate_size),
+        );
+    }
+    if cfg.markov_head_type != HeadKind::Parallel {
+        add(head::W1.into(), vec![v, r], Init::Uniform(1.0));
+        add(head::W2.into(), vec![cfg.draft_vocab_size(), r], lin(r));
+    }
+    if cfg.markov_head_type == HeadKind::Rnn {
+        add(head::RNN_W.into(), vec![3 * r, 2 * r + h], lin(2 * r + h));
+        add(head::RNN_B.into(), vec![3 * r], lin(2 * r + h));
+    }
+    if cfg.enable_confidence_head {
+        let fan_in = h + cfg.seq_rank();
+        add(head::CONF_W.into(), vec![1, fan_in], lin(fan_in));
+        add(head::CONF_B.into(), vec![1], lin(fan_in));
+    }
+    if cfg.mask_token_id as usize >= v {
+        add("mask_embedding".into(), vec![h], lin(h));
+    }
+    specs
+}
+
+/// One Qwen3-style drafter layer (q/k norms, SiLU MLP), dense f32.
+struct Layer {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A DSpark drafter bound to one target: it borrows the target's embedding and LM head at
+/// every call and keeps its own paged context cache ([`DSparkDrafter::new_cache`]).
+pub struct DSparkDrafter {
+    cfg: DSparkConfig,
+    /// Every parameter by checkpoint name (f32), for `save`.
+    params: BTreeMap<String, Tensor>,
+    /// dtype `save` writes (the dtype the weights came in).
+    store_dtype: DType,
+    fc: Linear,
+    hidden_norm: Tensor,
+    norm: Tensor,
+    layers: Vec<Layer>,
+    seq_head: SeqHead,
+    confidence: Option<ConfidenceHead>,
+    /// `[1, hidden]` input of the mask positions.
+    mask_row: Tensor,
+    /// Rows of the target's LM head for `draft_vocab` (None: the full head).
+    draft_lm_head: Option<QMatMul>,
+    rope_cos: Tensor,
+    rope_sin: Tensor,
+    eps: f32,
+    device: Device,
+}
+
+/// Rows `rows` of a (possibly quantized) matrix; quantized rows are whole blocks, so this is a
+/// byte copy.
+fn select_rows(m: &QMatMul, rows: &[u32]) -> Result<QMatMul> {
+    Ok(match m {
+        QMatMul::QTensor(q) => {
+            let (_, cols) = q.shape().dims2()?;
+            let dt = q.dtype();
+            let row_bytes = cols / dt.block_size() * dt.type_size();
+            let data = q.data()?;
+            let mut out = Vec::with_capacity(rows.len() * row_bytes);
+            for &r in rows {
+                let r = r as usize;
+                out.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
+            }
+            let storage = QStorage::from_data(Cow::Owned(out), &q.device(), dt)?;
+            QMatMul::from_qtensor(QTensor::new(storage, (rows.len(), cols))?)?
+        }
+        QMatMul::Tensor(t) => QMatMul::Tensor(t.index_select(&Tensor::new(rows, t.device())?, 0)?),
+        QMatMul::TensorF16(t) => {
+            QMatMul::TensorF16(t.index_select(&Tensor::new(rows, t.device())?, 0)?)
+        }
+    })
+}
+
+fn rope_table(theta: f64, hd: usize, max_pos: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64) as f32)
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, hd / 2), dev)?;
+    let pos = Tensor::arange(0u32, max_pos as u32, dev)?
+        .to_dtype(DType::F32)?
+        .reshape((max_pos, 1))?;
+    let f = pos.broadcast_mul(&inv)?;
+    Ok((f.cos()?, f.sin()?))
+}
+
+/// Half-split RoPE on `[T, heads, head_dim]` with per-row `cos`/`sin` `[T, head_dim / 2]`.
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?)
+}
+
+/// Scatter index writing row i into cache slot `slots[i]`.
+fn slot_index(slots: &[u32], kv_dim: usize, dev: &Device) -> Result<Tensor> {
+    let t = slots.len();
+    Ok(Tensor::new(slots, dev)?
+        .reshape((t, 1))?
+        .broadcast_as((t, kv_dim))?
+        .contiguous()?)
+}
+
+fn sigmoid(z: f32) -> f32 {
+    // Kept strictly inside (0, 1) so that logit(c) and log(c) stay finite downstream.
+    (1.0 / (1.0 + (-z).exp())).clamp(f32::MIN_POSITIVE, 1.0 - f32::EPSILON / 2.0)
+}
+
+impl DSparkDrafter {
+    /// A drafter config for `target`: its dimensions, one layer, the default target layers,
+    /// rank 256, a confidence head and a dedicated mask row (`mask_token_id = vocab_size`).
+    pub fn default_config(target: &Model, head: HeadKind, gamma: usize) -> DSparkConfig {
+        let t = &target.cfg;
+        DSparkConfig {
+            hidden_size: t.hidden_size,
+            vocab_size: t.vocab_size,
+            num_attention_heads: t.num_heads,
+            num_key_value_heads: t.num_kv_heads,
+            head_dim: t.head_dim,
+            intermediate_size: t.intermediate_size,
+            rms_norm_eps: t.rms_eps,
+            rope_theta: t.rope_theta,
+            num_hidden_layers: default_num_layers(),
+            block_size: gamma,
+            mask_token_id: t.vocab_size as u32,
+            target_layer_ids: default_target_layers(t.num_layers, 3),
+            markov_rank: default_rank(),
+            markov_head_type: head,
+            enable_confidence_head: true,
+            sts_temperatures: None,
+            draft_vocab: None,
+        }
+    }
+
+    /// A randomly initialised drafter (PyTorch-style uniform fan-in init, norms at 1),
+    /// deterministic per seed. Values are bf16-exact, so `save` + `load` reproduce it bit
+    /// for bit.
+    pub fn random(target: &Model, cfg: DSparkConfig, seed: u64) -> Result<Self> {
+        cfg.check(&target.cfg)
+            .map_err(|e| anyhow::anyhow!("invalid drafter config: {e}"))?;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut tensors = HashMap::new();
+        for spec in param_specs(&cfg) {
+            let n: usize = spec.shape.iter().product();
+            let data: Vec<f32> = match spec.init {
+                Init::Ones => vec![1.0; n],
+                Init::Uniform(b) => (0..n).map(|_| rng.random_range(-b..=b)).collect(),
+            };
+            let t = Tensor::from_vec(data, spec.shape, &target.device)?
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?;
+            tensors.insert(spec.name, t);
+        }
+        Self::build(
+            target,
+            cfg,
+            tensors,
+            DType::BF16,
+            Path::new("<random init>"),
+        )
+    }
+
+    /// Loads a drafter folder (`config.json` + `model.safetensors`) for `target`.
+    pub fn load(path: &Path, target: &Model) -> Result<Self> {
+        let cfg_path = path.join(CONFIG_FILE);
+        let text = std::fs::read_to_string(&cfg_path)
+            .with_context(|| format!("cannot read drafter config {}", cfg_path.display()))?;
+        let mut cfg: DSparkConfig = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a valid DSpark drafter config",
+                cfg_path.display()
+            )
+        })?;
+        if cfg.target_layer_ids.is_empty() {
+            cfg.target_layer_ids = default_target_layers(target.cfg.num_layers, 3);
+        }
+        cfg.check(&target.cfg).map_err(|e| {
+            anyhow::anyhow!(
+                "{}: drafter does not fit target {}: {e}",
+                cfg_path.display(),
+                target.id
+            )
+        })?;
+        let w_path = path.join(WEIGHTS_FILE);
+        let tensors = candle_core::safetensors::load(&w_path, &target.device)
+            .with_context(|| format!("cannot read drafter weights {}", w_path.display()))?;
+        let store_dtype = tensors.get("fc.weight").map_or(DType::BF16, |t| t.dtype());
+        Self::build(target, cfg, tensors, store_dtype, &w_path)
+    }
+
+    /// Writes `config.json` and `model.safetensors` into `dir` (created if missing).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let cfg_path = dir.join(CONFIG_FILE);
+        std::fs::write(&cfg_path, serde_json::to_string_pretty(&self.cfg)?)
+            .with_context(|| format!("cannot write {}", cfg_path.display()))?;
+        let mut out = HashMap::new();
+        for (name, t) in &self.params {
+            out.insert(name.clone(), t.to_dtype(self.store_dtype)?);
+        }
+        let w_path = dir.join(WEIGHTS_FILE);
+        candle_core::safetensors::save(&out, &w_path)
+            .with_context(|| format!("cannot write {}", w_path.display()))
+    }
+
+    /// Checks every tensor against `cfg` (errors name `origin`) and assembles the drafter.
+    fn build(
+        target: &Model,
+        cfg: DSparkConfig,
+        mut tensors: HashMap<String, Tensor>,
+        store_dtype: DType,
+        origin: &Path,
+    ) -> Result<Self> {
+        let dev = target.device.clone();
+        let mut params = BTreeMap::new();
+        for spec in param_specs(&cfg) {
+            let t = tensors
+                .remove(&spec.name)
+                .with_context(|| format!("{}: missing tensor '{}'", origin.display(), spec.name))?;
+            if t.dims() != spec.shape.as_slice() {
+                bail!(
+                    "{}: tensor '{}' has shape {:?}, expected {:?} for this config and target",
+                    origin.display(),
+                    spec.name,
+                    t.dims(),
+                    spec.shape
+                );
+            }
+            params.insert(spec.name, t.to_dtype(DType::F32)?.to_device(&dev)?);
+        }
+        let p = |name: &str| params[name].clone();
+        let lin = |name: &str| Linear::new(p(name), None);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let n = |s: &str| format!("layers.{i}.{s}.weight");
+                Layer {
+                    input_norm: p(&n("input_layernorm")),
+                    post_norm: p(&n("post_attention_layernorm")),
+                    q: lin(&n("self_attn.q_proj")),
+                    k: lin(&n("self_attn.k_proj")),
+                    v: lin(&n("self_attn.v_proj")),
+                    o: lin(&n("self_attn.o_proj")),
+                    q_norm: p(&n("self_attn.q_norm")),
+                    k_norm: p(&n("self_attn.k_norm")),
+                    gate: lin(&n("mlp.gate_proj")),
+                    up: lin(&n("mlp.up_proj")),
+                    down: lin(&n("mlp.down_proj")),
+                }
+            })
+            .collect();
+        let seq_head = SeqHead::new(cfg.markov_head_type, &params);
+        let confidence = cfg
+            .enable_confidence_head
+            .then(|| ConfidenceHead::new(&params, cfg.hidden_size))
+            .transpose()?;
+        let mask_row = if (cfg.mask_token_id as usize) < cfg.vocab_size {
+            target.embed(&Tensor::new(&[cfg.mask_token_id], &dev)?)?
+        } else {
+            p("mask_embedding").unsqueeze(0)?
+        };
+        let draft_lm_head = cfg
+            .draft_vocab
+            .as_ref()
+            .map(|v| select_rows(&target.weights.lm_head, v))
+            .transpose()?;
+        let (rope_cos, rope_sin) =
+            rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
+        Ok(Self {
+            fc: lin("fc.weight"),
+            hidden_norm: p("hidden_norm.weight"),
+            norm: p("norm.weight"),
+            eps: cfg.rms_norm_eps as f32,
+            cfg,
+            params,
+            store_dtype,
+            layers,
+            seq_head,
+            confidence,
+            mask_row,
+            draft_lm_head,
+            rope_cos,
+            rope_sin,
+            device: dev,
+        })
+    }
+
+    pub fn config(&self) -> &DSparkConfig {
+        &self.cfg
+    }
+
+    /// Target layers whose outputs the drafter consumes, ascending (pass them as the target
+    /// forward's `hidden_layers`).
+    pub fn target_layers(&self) -> &[usize] {
+        &self.cfg.target_layer_ids
+    }
+
+    /// Sets (or clears) the per-position STS temperatures, e.g. after calibration.
+    pub fn set_sts_temperatures(&mut self, temps: Option<Vec<f32>>) -> Result<()> {
+        check_sts(self.cfg.block_size, temps.as_deref()).map_err(anyhow::Error::msg)?;
+        self.cfg.sts_temperatures = temps;
+        Ok(())
+    }
+
+    fn kv_dim(&self) -> usize {
+        self.cfg.num_key_value_heads * self.cfg.head_dim
+    }
+
+    /// The drafter's own context KV cache (one layer per drafter layer).
+    pub fn new_cache(
+        &self,
+        budget_bytes: usize,
+        block_size: usize,
+        device: &Device,
+    ) -> Result<KvCache> {
+        KvCache::new(
+            self.layers.len(),
+            self.kv_dim(),
+            budget_bytes,
+            block_size,
+            device,
+        )
+    }
+
+    fn check_cache(&self, kv: &KvCache) -> Result<()> {
+        if kv.k.len() != self.layers.len() || kv.kv_dim() != self.kv_dim() {
+            bail!(
+                "KV cache has {} layers of width {}, the drafter needs {} of width {} (use DSparkDrafter::new_cache)",
+                kv.k.len(),
+                kv.kv_dim(),
+                self.layers.len(),
+                self.kv_dim()
+            );
+        }
+        Ok(())
+    }
+
+    /// RoPE rows for absolute positions.
+    fn rope_at(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let max = self.rope_cos.dim(0)?;
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= max) {
+            bail!("position {p} exceeds the drafter's context of {max}");
+        }
+        let pos = Tensor::new(positions, &self.device)?;
+        Ok((
+            self.rope_cos.index_select(&pos, 0)?,
+            self.rope_sin.index_select(&pos, 0)?,
+        ))
+    }
+
+    /// Keys (k_norm, RoPE) and values of `x` `[T, hidden]` for layer `l`, each `[T, kv_dim]`.
+    fn key_values(
+        &self,
+        l: &Layer,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let t = x.dim(0)?;
+        let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let k = rms_norm(&l.k.forward(x)?.reshape((t, nkv, hd))?, &l.k_norm, self.eps)?;
+        let k = rope(&k, cos, sin)?.reshape((t, nkv * hd))?;
+        Ok((k, l.v.forward(x)?.contiguous()?))
+    }
+
+    /// Context features of committed tokens at positions `[start, start + n)`: `hidden[i]` is
+    /// the target's output of `target_layers()[i]` for those tokens (`[n, hidden]` each).
+    /// Computes `hidden_norm(fc(concat))` and writes every drafter layer's keys/values into
+    /// the slots of `table` (which must cover `start + n`).
+    pub fn append_context(
+        &self,
+        kv: &mut KvCache,
+        table: &[u32],
+        start: usize,
+        hidden: &[Tensor],
+    ) -> Result<()> {
+        self.check_cache(kv)?;
+        if hidden.len() != self.cfg.target_layer_ids.len() {
+            bail!(
+                "append_context got {} hidden-state tensors, the drafter uses {} target layers",
+                hidden.len(),
+                self.cfg.target_layer_ids.len()
+            );
+        }
+        let n = hidden[0].dim(0)?;
+        for h in hidden {
+            if h.dims() != [n, self.cfg.hidden_size] {
+                bail!(
+                    "append_context: hidden states of shape {:?}, expected [{n}, {}]",
+                    h.dims(),
+                    self.cfg.hidden_size
+                );
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if table.len() * kv.block_size < start + n {
+            bail!(
+                "append_context: block table of {} blocks does not cover position {}",
+                table.len(),
+                start + n - 1
+            );
+        }
+        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
+        let slots: Vec<u32> = (start..start + n)
+            .map(|p| kv.slot(table, p) as u32)
+            .collect();
+        let (cos, sin) = self.rope_at(&positions)?;
+        let idx = slot_index(&slots, self.kv_dim(), &self.device)?;
+        let ctx = self.fc.forward(&Tensor::cat(hidden, 1)?)?;
+        let ctx = rms_norm(&ctx, &self.hidden_norm, self.eps)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let (k, v) = self.key_values(l, &ctx, &cos, &sin)?;
+            kv.k[li].scatter_set(&idx, &k, 0)?;
+            kv.v[li].scatter_set(&idx, &v, 0)?;
+        }
+        Ok(())
+    }
+
+    /// The parallel backbone over all requests' blocks in one batched forward: returns the
+    /// normed block outputs `h` `[sum(gamma), hidden]`, rows in request order. Writes the
+    /// blocks' keys/values into the cache at `anchor_pos..anchor_pos + gamma`.
+    fn backbone(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        reqs: &[DraftRequest<'_>],
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let b = reqs.len();
+        let mut embed_idx = Vec::new();
+        let mut positions = Vec::new();
+        let mut slots = Vec::new();
+        let mut seqs = Vec::with_capacity(b);
+        for (i, r) in reqs.iter().enumerate() {
+            let end = r.anchor_pos + r.gamma;
+            seqs.push(AttnSeq {
+                q_start: positions.len(),
+                q_len: r.gamma,
+                q_pos0: r.anchor_pos,
+                kv_len: end,
+                block_table: r.block_table.to_vec(),
+            });
+            embed_idx.push(i as u32);
+            embed_idx.extend(std::iter::repeat_n(b as u32, r.gamma - 1));
+            for p in r.anchor_pos..end {
+                positions.push(p as u32);
+                slots.push(kv.slot(r.block_table, p) as u32);
+            }
+        }
+        let t = positions.len();
+        let dev = &self.device;
+        let anchors: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
+        // Rows 0..b: the anchors' embeddings; row b: the mask input.
+        let inputs = Tensor::cat(
+            &[
+                target.embed(&Tensor::new(anchors.as_slice(), dev)?)?,
+                self.mask_row.clone(),
+            ],
+            0,
+        )?;
+        let mut x = inputs.index_select(&Tensor::new(embed_idx.as_slice(), dev)?, 0)?;
+        let (cos, sin) = self.rope_at(&positions)?;
+        let idx = slot_index(&slots, self.kv_dim(), dev)?;
+        let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
+        let attn = PagedAttention {
+            seqs: Arc::new(seqs),
+            num_heads: nh,
+            num_kv_heads: cfg.num_key_value_heads,
+            head_dim: hd,
+            block_size: kv.block_size,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: None,
+            causal: false,
+        };
+        for (li, l) in self.layers.iter().enumerate() {
+            let h = rms_norm(&x, &l.input_norm, self.eps)?;
+            let (k, v) = self.key_values(l, &h, &cos, &sin)?;
+            kv.k[li].scatter_set(&idx, &k, 0)?;
+            kv.v[li].scatter_set(&idx, &v, 0)?;
+            let q = rms_norm(&l.q.forward(&h)?.reshape((t, nh, hd))?, &l.q_norm, self.eps)?;
+            let a = attn.forward(&rope(&q, &cos, &sin)?, &kv.k[li], &kv.v[li])?;
+            x = (x + l.o.forward(&a)?)?;
+            let h = rms_norm(&x, &l.post_norm, self.eps)?;
+            let g = candle_nn::ops::silu(&l.gate.forward(&h)?)?;
+            x = (&x + l.down.forward(&(g * l.up.forward(&h)?)?)?)?;
+        }
+        Ok(rms_norm(&x, &self.norm, self.eps)?)
+    }
+
+    /// Drafts one block per request in ONE batched drafter forward (see the module docs for
+    /// the equations). The blocks' keys/values are written into the drafter cache at
+    /// `anchor_pos..anchor_pos + gamma`; `append_context` overwrites them when tokens commit.
+    pub fn propose(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        reqs: &mut [DraftRequest<'_>],
+    ) -> Result<Vec<DraftBlock>> {
+        self.check_cache(kv)?;
+        for r in reqs.iter() {
+            if r.gamma == 0 || r.gamma > self.cfg.block_size {
+                bail!(
+                    "gamma {} is outside 1..={} (the drafter's block_size)",
+                    r.gamma,
+                    self.cfg.block_size
+                );
+            }
+            if r.anchor as usize >= self.cfg.vocab_size {
+                bail!(
+                    "anchor token {} is outside the vocabulary of {}",
+                    r.anchor,
+                    self.cfg.vocab_size
+                );
+            }
+            if r.block_table.len() * kv.block_size < r.anchor_pos + r.gamma {
+                bail!(
+                    "drafter block table of {} blocks does not cover the block at {}..{}",
+                    r.block_table.len(),
+                    r.anchor_pos,
+                    r.anchor_pos + r.gamma
+                );
+            }
+        }
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let h = self.backbone(kv, target, reqs)?;
+        let lm_head = self
+            .draft_lm_head
+            .as_ref()
+            .unwrap_or(&target.weights.lm_head);
+        let vd = self.cfg.draft_vocab_size();
+        let base: Vec<f32> = lm_head.forward(&h)?.flatten_all()?.to_vec1()?;
+        let conf_h = self
+            .confidence
+            .as_ref()
+            .map(|c| c.hidden_part(&h))
+            .transpose()?;
+        let row0: Vec<usize> = reqs
+            .iter()
+            .scan(0, |acc, r| {
+                let s = *acc;
+                *acc += r.gamma;
+                Some(s)
+            })
+            .collect();
+        let max_gamma = reqs.iter().map(|r| r.gamma).max().unwrap_or(0);
+        let mut blocks: Vec<DraftBlock> = reqs
+            .iter()
+            .map(|r| DraftBlock {
+                tokens: Vec::with_capacity(r.gamma),
+                q: Vec::with_capacity(r.gamma),
+                confidence: Vec::with_capacity(r.gamma),
+            })
+            .collect();
+        let mut prev: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
+        let mut state = None;
+        for k in 0..max_gamma {
+            // Requests whose block is shorter repeat their last row; their results are unused.
+            let rows: Vec<u32> = reqs
+                .iter()
+                .zip(&row0)
+                .map(|(r, &s)| (s + k.min(r.gamma - 1)) as u32)
+                .collect();
+            let step = self.seq_head.step(&prev, &h, &rows, &mut state)?;
+            let conf_e = match (&self.confidence, &step.prev_embedding) {
+                (Some(c), Some(e)) => c.prev_part(e)?,
+                _ => None,
+            };
+            for (i, r) in reqs.iter_mut().enumerate() {
+                if k >= r.gamma {
+                    continue;
+                }
+                let row = rows[i] as usize;
+                let mut logits = base[row * vd..(row + 1) * vd].to_vec();
+                if let Some(bias) = &step.bias {
+                    for (l, b) in logits.iter_mut().zip(&bias[i * vd..(i + 1) * vd]) {
+                        *l += b;
+                    }
+                }
+                let q = target_probs(&logits, r.params);
+                let x = q.sample(r.rng);
+                let z = match (&self.confidence, &conf_h) {
+                    (Some(c), Some(zh)) => zh[row] + conf_e.as_ref().map_or(0.0, |e| e[i]) + c.bias,
+                    _ => head::raw_logit(&logits, x),
+                };
+                let t_k = self.cfg.sts_temperatures.as_ref().map_or(1.0, |t| t[k]);
+                let (tok, q) = self.to_target_vocab(x, q);
+                let blk = &mut blocks[i];
+                blk.tokens.push(tok);
+                blk.q.push(q);
+                blk.confidence.push(sigmoid(z / t_k));
+                prev[i] = tok;
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// Maps a draft-vocabulary token and distribution to target ids (identity without a
+    /// reduced vocabulary).
+    fn to_target_vocab(&self, x: u32, q: Dist) -> (u32, Dist) {
+        let Some(vocab) = &self.cfg.draft_vocab else {
+            return (x, q);
+        };
+        let q = match q {
+            Dist::Greedy(t) => Dist::Greedy(vocab[t as usize]),
+            Dist::Probs(p) => {
+                let mut full = vec![0f32; self.cfg.vocab_size];
+                for (&id, &pr) in vocab.iter().zip(&p) {
+                    full[id as usize] = pr;
+                }
+                Dist::Probs(full)
+            }
+        };
+        (vocab[x as usize], q)
+    }
+}

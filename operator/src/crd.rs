@@ -1,0 +1,796 @@
+//! The custom resources of `serving.dspark.dev/v1alpha1`: [`DSparkDeployment`] (a served model
+//! on one or more GPU node pools) and [`DSparkCostTable`] (a measured SPS(B) table per
+//! (model, drafter, engine version, node type), shared by the deployments that match).
+//!
+//! CEL rules (`x-kubernetes-validations`) reject nonsense at admission; the same rules are
+//! evaluated client-side in the unit tests, so the committed samples are checked without a
+//! cluster.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// A model served by DSpark engine pods on one or more node pools, sized by SLO.
+///
+/// The `/scale` subresource scales the TOTAL number of engine replicas over all pools
+/// (`spec.replicas`); the operator spreads it over the pools, cheapest pool that meets the SLO
+/// first, within each pool's min/max. `status.selector` selects every engine pod of the
+/// deployment. While `spec.replicas` is unset the SLO autoscaler chooses the total.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "serving.dspark.dev",
+    version = "v1alpha1",
+    kind = "DSparkDeployment",
+    plural = "dsparkdeployments",
+    singular = "dsparkdeployment",
+    shortname = "dsd",
+    category = "dspark",
+    namespaced,
+    status = "DSparkDeploymentStatus",
+    derive = "PartialEq",
+    doc = "A model served by DSpark engine pods on one or more GPU node pools, sized by SLO.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas", description = "Ready engine replicas over all pools"),
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".status.desiredReplicas", description = "Desired engine replicas over all pools"),
+    printcolumn(name = "SLO", type_ = "string", json_path = ".status.sloStatus", description = "Met, Breached or Unknown"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("self.metadata.name.size() <= 40").message("metadata.name must be at most 40 characters (owned objects append the pool name)"),
+)]
+#[x_kube(
+    validation = Rule::new("self.pools.all(p, self.pools.exists_one(q, q.name == p.name))").message("spec.pools: pool names must be unique"),
+    validation = Rule::new("!has(self.replicas) || self.replicas >= self.pools.map(p, p.minReplicas).sum()").message("spec.replicas is below the sum of the pools' minReplicas"),
+    validation = Rule::new("!has(self.replicas) || self.replicas <= self.pools.map(p, p.maxReplicas).sum()").message("spec.replicas is above the sum of the pools' maxReplicas"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct DSparkDeploymentSpec {
+    /// The target model.
+    pub model: ModelSource,
+    /// The drafter for speculative decoding; without one the engine uses the drafter it ships
+    /// for the model, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter: Option<ModelSource>,
+    /// The engine container.
+    pub engine: EngineSpec,
+    /// Node pools (one engine Deployment per pool).
+    #[x_kube(validation = Rule::new("self.size() > 0").message("spec.pools must name at least one node pool"))]
+    #[schemars(length(max = 8))]
+    pub pools: Vec<NodePool>,
+    /// Total replicas over all pools, driven by the `/scale` subresource (HPA, KEDA,
+    /// `kubectl scale`). Unset: the SLO autoscaler chooses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Latency objectives the autoscaler keeps.
+    pub slo: Slo,
+    /// Verify-length scheduler of the engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduler: Option<SchedulerSpec>,
+    /// Speculation mode; unset lets the engine pick its default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<Speculation>,
+    /// Cost-table profiling.
+    #[serde(default)]
+    pub profiling: ProfilingSpec,
+    /// Autoscaling behaviour.
+    #[serde(default)]
+    pub autoscaling: AutoscalingSpec,
+}
+
+/// Where weights come from: exactly one of `uri`, `pvc` or `hostPath`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("[has(self.uri), has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1").message("a model source needs exactly one of uri, pvc or hostPath"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSource {
+    /// Identity of the weights, used to key cost tables (defaults to the source's path or URI).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub id: Option<String>,
+    /// A URI the engine understands, passed as is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub uri: Option<String>,
+    /// A file or folder inside a PersistentVolumeClaim (mounted read-only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pvc: Option<PvcSource>,
+    /// A file or folder on the node (mounted read-only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<HostPathSource>,
+}
+
+/// Weights inside a PersistentVolumeClaim.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PvcSource {
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: String,
+    /// Path of the GGUF file or Hugging Face folder inside the volume.
+    #[schemars(length(min = 1, max = 1024))]
+    pub path: String,
+}
+
+/// Weights on the node's filesystem.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HostPathSource {
+    /// Absolute path of the GGUF file or Hugging Face folder on the node.
+    #[schemars(length(min = 1, max = 1024))]
+    pub path: String,
+}
+
+/// The engine container.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineSpec {
+    /// Image holding `dspark-engine`.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// Engine version used to key cost tables; defaults to the image tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    /// Extra arguments appended to `dspark-engine serve`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// CPU and memory; the GPU request comes from the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+/// A group of identical nodes (one GPU type) and how many engine replicas may run there.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.minReplicas <= self.maxReplicas").message("pool minReplicas must not exceed maxReplicas"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePool {
+    /// Pool name (a DNS label), part of the owned objects' names.
+    #[schemars(
+        length(min = 1, max = 20),
+        regex(pattern = r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    )]
+    pub name: String,
+    /// Value of the `dspark.dev/node-type` node label; keys the pool's cost table.
+    #[schemars(length(min = 1, max = 63))]
+    pub node_type: String,
+    /// Extra node selector terms (the node-type label is always added).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Accelerator resource per replica.
+    #[serde(default)]
+    pub gpu: GpuSpec,
+    #[serde(default = "default_min_replicas")]
+    #[x_kube(validation = Rule::new("self >= 0").message("pool minReplicas must be non-negative"))]
+    pub min_replicas: i32,
+    #[x_kube(validation = Rule::new("self >= 1").message("pool maxReplicas must be at least 1"))]
+    pub max_replicas: i32,
+    /// Relative cost of one replica (any unit, compared across pools).
+    #[serde(default = "default_cost")]
+    #[schemars(range(min = 0.0))]
+    pub cost: f64,
+}
+
+fn default_min_replicas() -> i32 {
+    1
+}
+fn default_cost() -> f64 {
+    1.0
+}
+
+/// The accelerator each replica requests (and limits).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuSpec {
+    #[serde(default = "default_gpu_resource")]
+    #[schemars(length(min = 1, max = 253))]
+    pub resource_name: String,
+    /// Devices per replica; 0 runs without an accelerator.
+    #[serde(default = "default_gpu_count")]
+    #[schemars(range(min = 0, max = 64))]
+    pub count: u32,
+}
+
+impl Default for GpuSpec {
+    fn default() -> Self {
+        Self {
+            resource_name: default_gpu_resource(),
+            count: default_gpu_count(),
+        }
+    }
+}
+
+fn default_gpu_resource() -> String {
+    "nvidia.com/gpu".into()
+}
+fn default_gpu_count() -> u32 {
+    1
+}
+
+/// p95 latency objectives, evaluated over a sliding window.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.ttftP95Ms > 0").message("slo.ttftP95Ms must be positive"),
+    validation = Rule::new("self.itlP95Ms > 0").message("slo.itlP95Ms must be positive"),
+    validation = Rule::new("self.windowSeconds > 0").message("slo.windowSeconds must be positive"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct Slo {
+    /// p95 time to first token, milliseconds.
+    pub ttft_p95_ms: i32,
+    /// p95 inter-token latency, milliseconds.
+    pub itl_p95_ms: i32,
+    /// Evaluation window, seconds.
+    #[serde(default = "default_window")]
+    pub window_seconds: i32,
+}
+
+fn default_window() -> i32 {
+    60
+}
+
+/// Verify-length scheduling policy of the engine.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum SchedulerPolicy {
+    /// No verify-length scheduling (the engine's plain block verification).
+    None,
+    /// Verify every draft position up to gamma.
+    Fixed,
+    /// Verify while the prefix survival stays above `threshold`.
+    Threshold,
+    /// Maximise tau * SPS(B) with the cost table (the DSpark scheduler).
+    #[default]
+    Dspark,
+}
+
+impl SchedulerPolicy {
+    /// The engine's `--policy` value, if any.
+    pub fn engine_flag(self) -> Option<&'static str> {
+        match self {
+            Self::None => None,
+            Self::Fixed => Some("fixed"),
+            Self::Threshold => Some("threshold"),
+            Self::Dspark => Some("dspark"),
+        }
+    }
+}
+
+/// Scheduler settings.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("self.policy != 'threshold' || has(self.threshold)").message("scheduler.threshold is required when policy is threshold"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulerSpec {
+    #[serde(default)]
+    pub policy: SchedulerPolicy,
+    /// Draft block size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub gamma: Option<u32>,
+    /// Prefix-survival threshold of the `threshold` policy, in (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub threshold: Option<f64>,
+}
+
+/// Speculative decoding mode (`--speculation`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Speculation {
+    None,
+    Ngram,
+    Parallel,
+    DsparkMarkov,
+    DsparkRnn,
+}
+
+impl Speculation {
+    pub fn engine_flag(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Ngram => "ngram",
+            Self::Parallel => "parallel",
+            Self::DsparkMarkov => "dspark-markov",
+            Self::DsparkRnn => "dspark-rnn",
+        }
+    }
+}
+
+/// How cost tables are measured.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.timeoutSeconds > 0").message("profiling.timeoutSeconds must be positive"),
+    validation = Rule::new("self.retryBaseSeconds > 0 && self.retryMaxSeconds >= self.retryBaseSeconds").message("profiling retry backoff needs 0 < retryBaseSeconds <= retryMaxSeconds"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ProfilingSpec {
+    /// Run a profiling Job for pools without a valid table.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Extra arguments appended to `dspark-engine profile`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// Deadline of one profiling Job.
+    #[serde(default = "default_profile_timeout")]
+    pub timeout_seconds: i64,
+    /// Wait after the first failed Job; doubles per failure up to `retryMaxSeconds`.
+    #[serde(default = "default_retry_base")]
+    pub retry_base_seconds: i64,
+    #[serde(default = "default_retry_max")]
+    pub retry_max_seconds: i64,
+}
+
+impl Default for ProfilingSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            args: Vec::new(),
+            timeout_seconds: default_profile_timeout(),
+            retry_base_seconds: default_retry_base(),
+            retry_max_seconds: default_retry_max(),
+        }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_profile_timeout() -> i64 {
+    900
+}
+fn default_retry_base() -> i64 {
+    60
+}
+fn default_retry_max() -> i64 {
+    3600
+}
+
+/// Whether scaling decisions are applied.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AutoscalingMode {
+    /// Decisions change the pools' replicas.
+    #[default]
+    Active,
+    /// Decisions are recorded (status, events) but not applied.
+    Advisory,
+}
+
+/// Where latency metrics come from.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum MetricsSource {
+    /// Scrape every ready engine pod's `/metrics` by pod IP.
+    #[default]
+    Scrape,
+    /// Query a Prometheus server (`prometheusUrl`).
+    Prometheus,
+}
+
+/// Autoscaling behaviour: a predictive loop (load and the SPS(B) table) and a reactive loop
+/// (+-1 toward the p95 SLOs).
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[x_kube(
+    validation = Rule::new("self.metricsSource != 'Prometheus' || has(self.prometheusUrl)").message("autoscaling.prometheusUrl is required when metricsSource is Prometheus"),
+    validation = Rule::new("self.periodSeconds > 0").message("autoscaling.periodSeconds must be positive"),
+    validation = Rule::new("self.maxScaleUpStep >= 1 && self.maxScaleDownStep >= 1").message("autoscaling step limits must be at least 1"),
+    validation = Rule::new("self.scaleUpStabilizationSeconds >= 0 && self.scaleDownStabilizationSeconds >= 0").message("autoscaling stabilization windows must be non-negative"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub mode: AutoscalingMode,
+    /// Period of the reactive loop.
+    #[serde(default = "default_period")]
+    pub period_seconds: i32,
+    /// A higher recommendation must hold this long before it is applied.
+    #[serde(default)]
+    pub scale_up_stabilization_seconds: i32,
+    /// A lower recommendation must hold this long before it is applied.
+    #[serde(default = "default_down_window")]
+    pub scale_down_stabilization_seconds: i32,
+    #[serde(default = "default_up_step")]
+    pub max_scale_up_step: i32,
+    #[serde(default = "default_down_step")]
+    pub max_scale_down_step: i32,
+    /// Fraction of a replica's capacity at the ITL target the predictive loop plans for.
+    #[serde(default = "default_utilization")]
+    #[schemars(range(min = 0.05, max = 1.0))]
+    pub target_utilization: f64,
+    #[serde(default)]
+    pub metrics_source: MetricsSource,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prometheus_url: Option<String>,
+}
+
+impl Default for AutoscalingSpec {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            mode: AutoscalingMode::Active,
+            period_seconds: default_period(),
+            scale_up_stabilization_seconds: 0,
+            scale_down_stabilization_seconds: default_down_window(),
+            max_scale_up_step: default_up_step(),
+            max_scale_down_step: default_down_step(),
+            target_utilization: default_utilization(),
+            metrics_source: MetricsSource::Scrape,
+            prometheus_url: None,
+        }
+    }
+}
+
+fn default_period() -> i32 {
+    15
+}
+fn default_down_window() -> i32 {
+    300
+}
+fn default_up_step() -> i32 {
+    4
+}
+fn default_down_step() -> i32 {
+    1
+}
+fn default_utilization() -> f64 {
+    0.8
+}
+
+/// Observed state. Deterministic: it changes only when the world does.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DSparkDeploymentStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Ready, Profiled, Scaling, MetricsAvailable.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Current replicas over all pools (the `/scale` status).
+    #[serde(default)]
+    pub replicas: i32,
+    #[serde(default)]
+    pub ready_replicas: i32,
+    #[serde(default)]
+    pub desired_replicas: i32,
+    /// Label selector of every engine pod of this deployment (the `/scale` selector).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// Met, Breached or Unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_status: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<PoolStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scaling_decision: Option<ScalingDecisionStatus>,
+}
+
+/// One pool's observed state.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolStatus {
+    pub name: String,
+    pub desired_replicas: i32,
+    pub ready_replicas: i32,
+    /// Name of the DSparkCostTable this pool uses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_table: Option<String>,
+    /// Revision of that table held in the pool's ConfigMap (absent: engine default table).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_table_revision: Option<i64>,
+    /// p95 time to first token over the SLO window, milliseconds (3 significant digits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_p95_ms: Option<f64>,
+    /// p95 inter-token latency over the SLO window, milliseconds (3 significant digits).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_p95_ms: Option<f64>,
+    /// Mean tokens committed per verification (tau), 3 significant digits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub acceptance_length: Option<f64>,
+}
+
+/// The autoscaler's latest decision that changed (or, in advisory mode, would change) a pool.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingDecisionStatus {
+    pub pool: String,
+    pub from_replicas: i32,
+    pub to_replicas: i32,
+    pub reason: String,
+    pub applied: bool,
+    /// RFC 3339 time the decision was made (set once per decision).
+    pub time: String,
+}
+
+/// A measured SPS(B) cost table for one (model, drafter, engine version, node type). The name
+/// is derived from a hash of that key ([`cost_table_name`]); deployments that match share it.
+// The repeated `type_ = "string"` of the printer columns is not a duplicated attribute.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "serving.dspark.dev",
+    version = "v1alpha1",
+    kind = "DSparkCostTable",
+    plural = "dsparkcosttables",
+    singular = "dsparkcosttable",
+    shortname = "dsct",
+    category = "dspark",
+    namespaced,
+    status = "DSparkCostTableStatus",
+    derive = "PartialEq",
+    doc = "A measured SPS(B) cost table for one (model, drafter, engine version, node type).",
+    printcolumn(name = "Model", type_ = "string", json_path = ".spec.modelId"),
+    printcolumn(name = "Drafter", type_ = "string", json_path = ".spec.drafterId"),
+    printcolumn(name = "Engine", type_ = "string", json_path = ".spec.engineVersion"),
+    printcolumn(name = "NodeType", type_ = "string", json_path = ".spec.nodeType"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Revision", type_ = "integer", json_path = ".status.revision"),
+    printcolumn(
+        name = "MeasuredAt",
+        type_ = "string",
+        json_path = ".status.measuredAt"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct DSparkCostTableSpec {
+    pub model_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafter_id: Option<String>,
+    pub engine_version: String,
+    pub node_type: String,
+}
+
+/// Lifecycle of a cost table.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CostTablePhase {
+    /// Nothing measured yet and no Job running.
+    #[default]
+    Pending,
+    /// A profiling Job is running.
+    Profiling,
+    /// A valid table is stored.
+    Ready,
+    /// The last Job failed; the next one waits for `retryAfter`.
+    Failed,
+}
+
+/// The measured table and how it was obtained.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct DSparkCostTableStatus {
+    #[serde(default)]
+    pub phase: CostTablePhase,
+    /// The validated table, exactly as the engine reads it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "cost_table_schema")]
+    pub table: Option<dspark_types::CostTable>,
+    /// Bumped every time a new table is stored (0: none yet).
+    #[serde(default)]
+    pub revision: i64,
+    /// The table's content digest (`CostTable::digest`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub measured_at: Option<String>,
+    /// The profiling Job that produced (or is producing) the table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    /// Consecutive failed Jobs.
+    #[serde(default)]
+    pub failures: i32,
+    /// RFC 3339 time before which no new Job starts after a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<String>,
+    /// Why the last Job failed, or what was wrong with its table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Structural schema of [`dspark_types::CostTable`] (its `points` are `[B, sps]` pairs).
+fn cost_table_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let s = |t: &str| serde_json::json!({ "type": t });
+    serde_json::from_value(serde_json::json!({
+        "type": "object",
+        "description": "SPS(B) table: target-forward steps per second at B tokens per forward.",
+        "required": ["schema", "model_id", "engine_version", "device", "dtype", "measured_at", "points"],
+        "properties": {
+            "schema": s("integer"),
+            "model_id": s("string"),
+            "drafter_id": { "type": "string", "nullable": true },
+            "engine_version": s("string"),
+            "device": s("string"),
+            "node_type": { "type": "string", "nullable": true },
+            "dtype": s("string"),
+            "measured_at": s("string"),
+            "points": {
+                "type": "array",
+                "description": "[B, steps_per_second] pairs, B strictly increasing.",
+                "items": { "type": "array", "items": s("number"), "minItems": 2, "maxItems": 2 },
+            },
+        },
+    }))
+    .expect("static schema is valid")
+}
+
+/// Cost-table key: what a measurement depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CostTableKey {
+    pub model_id: String,
+    pub drafter_id: Option<String>,
+    pub engine_version: String,
+    pub node_type: String,
+}
+
+impl CostTableKey {
+    pub fn spec(&self) -> DSparkCostTableSpec {
+        DSparkCostTableSpec {
+            model_id: self.model_id.clone(),
+            drafter_id: self.drafter_id.clone(),
+            engine_version: self.engine_version.clone(),
+            node_type: self.node_type.clone(),
+        }
+    }
+}
+
+/// Deterministic object name of the cost table for `key`: a readable prefix (node type) and a
+/// 64-bit FNV-1a hash of the whole key.
+pub fn cost_table_name(key: &CostTableKey) -> String {
+    let mut text = String::new();
+    for part in [
+        key.model_id.as_str(),
+        key.drafter_id.as_deref().unwrap_or(""),
+        key.engine_version.as_str(),
+        key.node_type.as_str(),
+    ] {
+        text.push_str(part);
+        text.push('\u{0}');
+    }
+    let slug = dns_slug(&key.node_type, 24);
+    format!("{slug}-{:016x}", fnv1a(text.as_bytes()))
+}
+
+/// FNV-1a, 64 bits: stable across builds and platforms.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Lower-case DNS-label fragment of `s`, at most `max` characters, never empty.
+pub fn dns_slug(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        let c = c.to_ascii_lowercase();
+        if c.is_ascii_alphanumeric() {
+            out.push(c);
+        } else if !out.ends_with('-') && !out.is_empty() {
+            out.push('-');
+        }
+        if out.len() >= max {
+            break;
+        }
+    }
+    let trimmed = out.trim_matches('-');
+    if trimmed.is_empty() {
+        "x".into()
+    } else {
+        trimmed.to_string()
+    }
+}
+
+impl ModelSource {
+    /// The identity that keys cost tables: `id`, else the URI, else the volume path.
+    pub fn identity(&self) -> String {
+        if let Some(id) = &self.id {
+            return id.clone();
+        }
+        if let Some(uri) = &self.uri {
+            return uri.clone();
+        }
+        if let Some(pvc) = &self.pvc {
+            return format!(
+                "pvc:{}/{}",
+                pvc.claim_name,
+                pvc.path.trim_start_matches('/')
+            );
+        }
+        if let Some(hp) = &self.host_path {
+            return format!("host:{}", hp.path);
+        }
+        String::new()
+    }
+}
+
+impl EngineSpec {
+    /// The version that keys cost tables: `version`, else the image tag, else `latest`.
+    pub fn effective_version(&self) -> String {
+        if let Some(v) = &self.version {
+            return v.clone();
+        }
+        let image = self.image.split('@').next().unwrap_or_default();
+        let last = image.rsplit('/').next().unwrap_or_default();
+        match last.split_once(':') {
+            Some((_, tag)) if !tag.is_empty() => tag.to_string(),
+            _ => "latest".into(),
+        }
+    }
+}
+
+impl DSparkDeploymentSpec {
+    /// The cost-table key of `pool`.
+    pub fn cost_table_key(&self, pool: &NodePool) -> CostTableKey {
+        CostTableKey {
+            model_id: self.model.identity(),
+            drafter_id: self.drafter.as_ref().map(ModelSource::identity),
+            engine_version: self.engine.effective_version(),
+            node_type: pool.node_type.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(node: &str) -> CostTableKey {
+        CostTableKey {
+            model_id: "smollm2-135m".into(),
+            drafter_id: None,
+            engine_version: "0.1.0".into(),
+            node_type: node.into(),
+        }
+    }
+
+    #[test]
+    fn cost_table_names_are_stable_and_distinct() {
+        let a = cost_table_name(&key("h200"));
+        assert_eq!(a, cost_table_name(&key("h200")));
+        assert!(a.starts_with("h200-"));
+        assert_ne!(a, cost_table_name(&key("l4")));
+        let mut k = key("h200");
+        k.drafter_id = Some("d".into());
+        assert_ne!(a, cost_table_name(&k));
+        assert!(a.len() <= 63);
+        let long = cost_table_name(&key("NVIDIA_H200 SXM 141GB with a very long name indeed"));
+        assert!(long.len() <= 63, "{long}");
+        assert!(long
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+    }
+
+    #[test]
+    fn engine_version_defaults_to_the_image_tag() {
+        let mut e = EngineSpec {
+            image: "registry:5000/dspark/engine:0.3.1".into(),
+            ..Default::default()
+        };
+        assert_eq!(e.effective_version(), "0.3.1");
+        e.image = "registry:5000/dspark/engine".into();
+        assert_eq!(e.effective_version(), "latest");
+        e.image = "engine:1.2@sha256:abc".into();
+        assert_eq!(e.effective_version(), "1.2");
+        e.version = Some("9.9".into());
+        assert_eq!(e.effective_version(), "9.9");
+    }
+}

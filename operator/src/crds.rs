@@ -1,0 +1,118 @@
+//! Rendering of the CRD YAML committed under `crds/` (the `crdgen` binary writes it; a test
+//! fails when the committed files drift from the Rust types).
+
+use kube::CustomResourceExt;
+
+use crate::crd::{DSparkCostTable, DSparkDeployment};
+use crate::{Error, Result};
+
+/// `(file name, YAML)` of every CRD, in a fixed order.
+pub fn render() -> Result<Vec<(&'static str, String)>> {
+    let yaml = |crd| {
+        serde_yaml::to_string(&crd).map_err(|e| Error::Serialize {
+            what: "CRD",
+            source: serde_json::Error::io(std::io::Error::other(e)),
+        })
+    };
+    Ok(vec![
+        (
+            "serving.dspark.dev_dsparkdeployments.yaml",
+            yaml(DSparkDeployment::crd())?,
+        ),
+        (
+            "serving.dspark.dev_dsparkcosttables.yaml",
+            yaml(DSparkCostTable::crd())?,
+        ),
+    ])
+}
+
+/// The message an invalid sample's `# expect: ...` line names.
+pub fn expected_message(sample: &str) -> Option<String> {
+    sample
+        .lines()
+        .find_map(|l| l.strip_prefix("# expect:"))
+        .map(|m| m.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::expected_message;
+    use crate::crd::DSparkDeployment;
+
+    #[test]
+    fn committed_crds_match_the_rust_types() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds");
+        for (file, yaml) in super::render().unwrap() {
+            let path = dir.join(file);
+            let committed = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                committed == yaml,
+                "{} is out of date with the Rust types; regenerate it with \
+                 `cargo run -p dspark-operator --bin crdgen -- crds/`",
+                path.display()
+            );
+        }
+    }
+
+    /// Every sample under config/samples/ parses and passes the CRD's CEL rules.
+    #[test]
+    fn samples_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/samples");
+        let mut n = 0;
+        for (path, text) in yaml_files(&dir) {
+            let obj: DSparkDeployment =
+                serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            if let Err(e) = kube::core::cel::validate_cel(&obj) {
+                panic!("{} is refused: {e}", path.display());
+            }
+            n += 1;
+        }
+        assert!(n >= 3, "expected the samples under {}", dir.display());
+    }
+
+    /// Every sample under config/samples/invalid/ is refused by a CEL rule whose message is
+    /// the one its `# expect:` line names.
+    #[test]
+    fn invalid_samples_are_refused_with_their_message() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config/samples/invalid");
+        let mut n = 0;
+        for (path, text) in yaml_files(&dir) {
+            let expect = expected_message(&text)
+                .unwrap_or_else(|| panic!("{} has no `# expect:` line", path.display()));
+            let obj: DSparkDeployment =
+                serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            match kube::core::cel::validate_cel(&obj) {
+                Ok(()) => panic!("{} was accepted", path.display()),
+                Err(e) => {
+                    let messages: Vec<String> =
+                        e.into_vec().into_iter().map(|e| e.message).collect();
+                    assert!(
+                        messages.iter().any(|m| m.contains(&expect)),
+                        "{}: expected '{expect}', got {messages:?}",
+                        path.display()
+                    );
+                }
+            }
+            n += 1;
+        }
+        assert!(n >= 10);
+    }
+
+    fn yaml_files(dir: &Path) -> Vec<(std::path::PathBuf, String)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+            .collect();
+        files.sort();
+        files
+            .into_iter()
+            .map(|p| {
+                let text = std::fs::read_to_string(&p).unwrap();
+                (p, text)
+            })
+            .collect()
+    }
+}

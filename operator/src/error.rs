@@ -1,0 +1,33 @@
+//! The crate's one error type.
+
+/// Everything a reconcile or a loop of the operator can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API error: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("could not serialize {what}: {source}")]
+    Serialize {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("object {0} has no namespace; DSpark resources are namespaced")]
+    NoNamespace(String),
+    #[error("engine pod {pod} at {url}: {message}")]
+    Engine {
+        pod: String,
+        url: String,
+        message: String,
+    },
+    #[error("cannot generate the engines' admin token: {0}")]
+    Token(#[source] std::io::Error),
+    #[error("invalid cost table from {source_name}: {error}; the engine keeps its current table")]
+    CostTable {
+        source_name: String,
+        #[source]
+        error: dspark_types::CostTableError,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,398 @@
+//! Cost tables: the shared `DSparkCostTable` resource of each pool's key (owned by every
+//! deployment that uses it, so it lives while one does), and pushing a stored table to the
+//! ready engine pods of a pool over their admin API (`PUT /admin/v1/cost-table`). The
+//! pool's mounted ConfigMap is the fallback when a push fails.
+
+use std::time::Duration;
+
+use dspark_types::{AdminState, CostTable, ErrorBody, PushResponse};
+use hyper::Method;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Resource, ResourceExt};
+
+use super::pool::{LABEL_MANAGED_BY, MANAGER};
+use crate::crd::{cost_table_name, CostTableKey, DSparkCostTable, DSparkDeployment};
+use crate::http::HttpClient;
+use crate::{Error, Result};
+
+/// Owner references of a cost table: every deployment in `all` with a pool keyed by `key`,
+/// sorted by name (none is the controller: the table is shared).
+pub fn owners_of(key: &CostTableKey, all: &[&DSparkDeployment]) -> Vec<OwnerReference> {
+    let mut owners: Vec<OwnerReference> = all
+        .iter()
+        .filter(|d| d.meta().deletion_timestamp.is_none())
+        .filter(|d| {
+            d.spec
+                .pools
+                .iter()
+                .any(|p| &d.spec.cost_table_key(p) == key)
+        })
+        .filter_map(|d| {
+            let mut o = d.controller_owner_ref(&())?;
+            o.controller = None;
+            o.block_owner_deletion = None;
+            Some(o)
+        })
+        .collect();
+    owners.sort_by(|a, b| a.name.cmp(&b.name));
+    owners.dedup_by(|a, b| a.uid == b.uid);
+    owners
+}
+
+/// Applies the cost table of `key` (spec and owners) and returns it with its status.
+pub async fn ensure_cost_table(
+    client: &kube::Client,
+    ns: &str,
+    key: &CostTableKey,
+    owners: Vec<OwnerReference>,
+) -> Result<DSparkCostTable> {
+    let api: Api<DSparkCostTable> = Api::namespaced(client.clone(), ns);
+    let name = cost_table_name(key);
+    let patch = serde_json::json!({
+        "apiVersion": DSparkCostTable::api_version(&()),
+        "kind": DSparkCostTable::kind(&()),
+        "metadata": {
+            "name": name,
+            "labels": { LABEL_MANAGED_BY: MANAGER },
+            "ownerReferences": owners,
+        },
+        "spec": key.spec(),
+    });
+    Ok(api
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?)
+}
+
+/// A ready engine pod reachable by pod IP.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodTarget {
+    pub name: String,
+    pub ip: String,
+}
+
+/// Ready pods with an IP, sorted by name.
+pub fn ready_pods(pods: &[Pod]) -> Vec<PodTarget> {
+    let mut out: Vec<PodTarget> = pods
+        .iter()
+        .filter(|p| p.meta().deletion_timestamp.is_none())
+        .filter_map(|p| {
+            let status = p.status.as_ref()?;
+            let ready = status
+                .conditions
+                .iter()
+                .flatten()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            let ip = status.pod_ip.clone().filter(|ip| !ip.is_empty())?;
+            ready.then(|| PodTarget {
+                name: p.name_any(),
+                ip,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// `http://{ip}:{port}` (IPv6 literals bracketed).
+pub fn pod_url(ip: &str, port: i32, path: &str) -> String {
+    if ip.contains(':') {
+        format!("http://[{ip}]:{port}{path}")
+    } else {
+        format!("http://{ip}:{port}{path}")
+    }
+}
+
+/// What a push did to one pod.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PushOutcome {
+    /// The pod already held a table with this digest.
+    Current,
+    /// The pod took the table.
+    Pushed(PushResponse),
+}
+
+/// Pushes `table` to one pod: skipped when `GET /admin/v1/state` shows the same digest;
+/// transport errors and 5xx are retried `attempts` times with a doubling pause; a 4xx is
+/// final and reported with the engine's error message.
+pub async fn push_to_pod(
+    http: &HttpClient,
+    pod: &PodTarget,
+    admin_port: i32,
+    token: &str,
+    table: &CostTable,
+    attempts: u32,
+) -> Result<PushOutcome> {
+    let digest = table.digest();
+    let state_url = pod_url(&pod.ip, admin_port, "/admin/v1/state");
+    let put_url = pod_url(&pod.ip, admin_port, "/admin/v1/cost-table");
+    let err = |url: &str, message: String| Error::Engine {
+        pod: pod.name.clone(),
+        url: url.to_string(),
+        message,
+    };
+    let mut pause = Duration::from_millis(200);
+    let mut last = String::new();
+    for attempt in 0..attempts.max(1) {
+        if attempt > 0 {
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+        }
+        if let Ok(r) = http.send(Method::GET, &state_url, Some(token), None).await {
+            if r.status == 200 {
+                if let Ok(state) = serde_json::from_str::<AdminState>(&r.body) {
+                    if state.cost_table_digest == digest {
+                        return Ok(PushOutcome::Current);
+                    }
+                }
+            }
+        }
+        match http
+            .send(
+                Method::PUT,
+                &put_url,
+                Some(token),
+                Some(table.to_json_pretty()),
+            )
+            .await
+        {
+            Ok(r) if r.status == 200 => {
+                return serde_json::from_str::<PushResponse>(&r.body)
+                    .map(PushOutcome::Pushed)
+                    .map_err(|e| err(&put_url, format!("unexpected answer to a push: {e}")));
+            }
+            Ok(r) if (400..500).contains(&r.status) => {
+                let why = serde_json::from_str::<ErrorBody>(&r.body)
+                    .map(|b| b.error.message)
+                    .unwrap_or(r.body);
+                return Err(err(
+                    &put_url,
+                    format!("refused the cost table ({}): {why}", r.status),
+                ));
+            }
+            Ok(r) => last = format!("HTTP {}: {}", r.status, r.body),
+            Err(e) => last = e,
+        }
+    }
+    Err(err(
+        &put_url,
+        format!("push failed after {} attempts: {last}", attempts.max(1)),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::pool::tests::sample;
+    use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn owners_are_every_deployment_using_the_key() {
+        let a = sample();
+        let mut b = sample();
+        b.metadata.name = Some("other".into());
+        b.metadata.uid = Some("uid-2".into());
+        let mut c = sample();
+        c.metadata.name = Some("different-model".into());
+        c.metadata.uid = Some("uid-3".into());
+        c.spec.model.id = Some("another".into());
+        let key = a.spec.cost_table_key(&a.spec.pools[0]);
+        let owners = owners_of(&key, &[&c, &b, &a]);
+        let names: Vec<&str> = owners.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, vec!["other", "qwen3-8b"]);
+        assert!(owners.iter().all(|o| o.controller.is_none()));
+    }
+
+    fn pod(name: &str, ip: Option<&str>, ready: bool) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.name = Some(name.into());
+        p.status = Some(PodStatus {
+            pod_ip: ip.map(Into::into),
+            conditions: Some(vec![PodCondition {
+                type_: "Ready".into(),
+                status: if ready { "True" } else { "False" }.into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        p
+    }
+
+    #[test]
+    fn only_ready_pods_with_an_ip() {
+        let pods = [
+            pod("b", Some("127.1.0.3"), true),
+            pod("a", Some("127.1.0.2"), true),
+            pod("c", None, true),
+            pod("d", Some("127.1.0.4"), false),
+        ];
+        let r = ready_pods(&pods);
+        assert_eq!(
+            r.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+            vec!["a", "b"]
+        );
+        assert_eq!(pod_url("127.1.0.2", 8001, "/x"), "http://127.1.0.2:8001/x");
+        assert_eq!(pod_url("::1", 8001, "/x"), "http://[::1]:8001/x");
+    }
+
+    /// A fake engine admin API answering each connection with the next canned response.
+    async fn fake_engine(
+        responses: Vec<(u16, String)>,
+    ) -> (String, tokio::task::JoinHandle<Vec<String>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let handle = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for (status, body) in responses {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = vec![0u8; 65536];
+                let mut req = String::new();
+                loop {
+                    let n = s.read(&mut buf).await.unwrap();
+                    req.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    let Some(head_end) = req.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let len = req[..head_end]
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if req.len() >= head_end + 4 + len || n == 0 {
+                        break;
+                    }
+                }
+                seen.push(req.lines().next().unwrap_or_default().to_string());
+                let resp = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                s.write_all(resp.as_bytes()).await.unwrap();
+            }
+            seen
+        });
+        (format!("127.0.0.1:{port}"), handle)
+    }
+
+    fn table() -> CostTable {
+        CostTable::from_json(r#"{"schema":1,"model_id":"m","engine_version":"0.1.0","device":"cpu","dtype":"q4","measured_at":"2026-11-29T09:00:00Z","points":[[1,100.0],[8,50.0]]}"#).unwrap()
+    }
+
+    fn state(digest: &str) -> String {
+        serde_json::to_string(&AdminState {
+            model_id: "m".into(),
+            engine_version: "0.1.0".into(),
+            device: "cpu".into(),
+            speculation: "none".into(),
+            policy: "dspark".into(),
+            cost_table_source: dspark_types::CostTableSource::Default,
+            cost_table_revision: 0,
+            cost_table_digest: digest.into(),
+            requests_running: 0,
+            requests_waiting: 0,
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn push_skips_current_pods_pushes_others_and_reports_refusals() {
+        let http = HttpClient::new(Duration::from_secs(2));
+        let t = table();
+        let (addr, h) = fake_engine(vec![(200, state(&t.digest()))]).await;
+        let (ip, port) = addr.split_once(':').unwrap();
+        let target = PodTarget {
+            name: "p".into(),
+            ip: ip.into(),
+        };
+        let port: i32 = port.parse().unwrap();
+        assert_eq!(
+            push_to_pod(&http, &target, port, "tok", &t, 3)
+                .await
+                .unwrap(),
+            PushOutcome::Current
+        );
+        h.await.unwrap();
+
+        let ok = serde_json::to_string(&PushResponse {
+            revision: 2,
+            digest: t.digest(),
+        })
+        .unwrap();
+        let (addr, h) = fake_engine(vec![(200, state("old")), (200, ok)]).await;
+        let (ip, port) = addr.split_once(':').unwrap();
+        let target = PodTarget {
+            name: "p".into(),
+            ip: ip.into(),
+        };
+        let out = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
+            .await
+            .unwrap();
+        assert!(matches!(
+            out,
+            PushOutcome::Pushed(PushResponse { revision: 2, .. })
+        ));
+        let seen = h.await.unwrap();
+        assert_eq!(
+            seen,
+            vec![
+                "GET /admin/v1/state HTTP/1.1",
+                "PUT /admin/v1/cost-table HTTP/1.1"
+            ]
+        );
+
+        let refusal = serde_json::to_string(&ErrorBody::new(
+            "invalid_request_error",
+            "cost table for device 'cpu' does not match",
+        ))
+        .unwrap();
+        let (addr, h) = fake_engine(vec![(200, state("old")), (400, refusal)]).await;
+        let (ip, port) = addr.split_once(':').unwrap();
+        let target = PodTarget {
+            name: "p".into(),
+            ip: ip.into(),
+        };
+        let e = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("does not match"), "{e}");
+        h.await.unwrap();
+
+        // 5xx twice, then success: retried.
+        let ok = serde_json::to_string(&PushResponse {
+            revision: 3,
+            digest: t.digest(),
+        })
+        .unwrap();
+        let (addr, h) = fake_engine(vec![
+            (200, state("old")),
+            (503, "busy".into()),
+            (200, state("old")),
+            (503, "busy".into()),
+            (200, state("old")),
+            (200, ok),
+        ])
+        .await;
+        let (ip, port) = addr.split_once(':').unwrap();
+        let target = PodTarget {
+            name: "p".into(),
+            ip: ip.into(),
+        };
+        let out = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
+            .await
+            .unwrap();
+        assert!(matches!(
+            out,
+            PushOutcome::Pushed(PushResponse { revision: 3, .. })
+        ));
+        h.await.unwrap();
+    }
+}

@@ -1,0 +1,580 @@
+//! Reconciliation of a DSparkDeployment: per pool, the cost table (and its profiling), the
+//! ConfigMap, the engine Deployment, Service and PodDisruptionBudget, the SLO autoscaler's
+//! decision, the cost-table push to ready pods; then the status. Everything is written with
+//! server-side apply under one field manager; every decision is published as an Event; errors
+//! back off exponentially per object.
+
+pub mod costs;
+pub mod pool;
+pub mod profiling;
+pub mod status;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dspark_types::CostTable;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::Store;
+use kube::{Api, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::{info, instrument, warn};
+
+use crate::autoscale::metrics::{PoolObservation, PoolWindow};
+use crate::autoscale::policy::{self, Behavior, PolicyInput, PolicyState, PoolInput, SloTargets};
+use crate::autoscale::source;
+use crate::crd::{
+    AutoscalingMode, CostTablePhase, DSparkDeployment, MetricsSource, ScalingDecisionStatus,
+};
+use crate::http::HttpClient;
+use crate::telemetry::Metrics;
+use crate::{Error, Result};
+use costs::{PodTarget, PushOutcome};
+use pool::{ADMIN_PORT, ADMIN_TOKEN_KEY, LABEL_DEPLOYMENT, LABEL_POOL, MANAGER};
+use status::{PoolView, StatusInput};
+
+/// Shared by every reconcile.
+pub struct Context {
+    pub client: kube::Client,
+    pub http: HttpClient,
+    pub recorder: Recorder,
+    pub metrics: Arc<Metrics>,
+    /// Every DSparkDeployment (the controller's cache): cost tables are owned by all their users.
+    pub store: Store<DSparkDeployment>,
+    /// Per-deployment memory of the autoscaler (kube-runtime never runs two reconciles of one
+    /// object at once).
+    runtime: Mutex<BTreeMap<String, Runtime>>,
+    failures: Mutex<BTreeMap<String, u32>>,
+    started: Instant,
+}
+
+impl Context {
+    pub fn new(
+        client: kube::Client,
+        recorder: Recorder,
+        metrics: Arc<Metrics>,
+        store: Store<DSparkDeployment>,
+    ) -> Self {
+        Self {
+            client,
+            http: HttpClient::new(Duration::from_secs(5)),
+            recorder,
+            metrics,
+            store,
+            runtime: Mutex::default(),
+            failures: Mutex::default(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// What the autoscaler remembers about one deployment between reconciles.
+#[derive(Default)]
+struct Runtime {
+    policy: PolicyState,
+    windows: BTreeMap<String, PoolWindow>,
+    observations: BTreeMap<String, PoolObservation>,
+    breached: BTreeMap<String, Option<bool>>,
+    last_eval: Option<f64>,
+    last_decision: Option<ScalingDecisionStatus>,
+    /// Digest each pod is known to hold.
+    pushed: BTreeMap<String, String>,
+}
+
+/// Error backoff: 5 s doubling per consecutive failure of the same object, at most 5 minutes.
+pub fn backoff(failures: u32) -> Duration {
+    Duration::from_secs((5u64 << (failures.clamp(1, 7) - 1)).min(300))
+}
+
+/// kube-runtime's error policy: exponential backoff per object.
+pub fn error_policy(dsd: Arc<DSparkDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
+    let key = object_key(&dsd);
+    let n = {
+        let mut f = ctx.failures.lock().expect("failures lock");
+        let n = f.entry(key.clone()).or_insert(0);
+        *n += 1;
+        *n
+    };
+    Metrics::inc(&ctx.metrics.reconcile_errors);
+    let wait = backoff(n);
+    warn!(deployment = %key, failures = n, ?wait, "reconcile failed: {error}");
+    Action::requeue(wait)
+}
+
+fn object_key(dsd: &DSparkDeployment) -> String {
+    format!("{}/{}", dsd.namespace().unwrap_or_default(), dsd.name_any())
+}
+
+/// Reconciles one DSparkDeployment.
+#[instrument(skip_all, fields(deployment = %object_key(&dsd)))]
+pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<Action> {
+    let t0 = Instant::now();
+    Metrics::inc(&ctx.metrics.reconciles);
+    let key = object_key(&dsd);
+    if dsd.meta().deletion_timestamp.is_some() {
+        // Owner references let the garbage collector remove everything this owns.
+        ctx.runtime.lock().expect("runtime lock").remove(&key);
+        return Ok(Action::await_change());
+    }
+    let mut rt = ctx
+        .runtime
+        .lock()
+        .expect("runtime lock")
+        .remove(&key)
+        .unwrap_or_default();
+    let result = reconcile_inner(&dsd, &ctx, &mut rt).await;
+    ctx.runtime
+        .lock()
+        .expect("runtime lock")
+        .insert(key.clone(), rt);
+    ctx.metrics.reconcile_micros.fetch_add(
+        t0.elapsed().as_micros() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    if result.is_ok() {
+        ctx.failures.lock().expect("failures lock").remove(&key);
+    }
+    result
+}
+
+async fn apply<K>(client: &kube::Client, ns: &str, obj: &K) -> Result<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    let name = obj.meta().name.clone().unwrap_or_default();
+    Ok(api
+        .patch(
+            &name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(obj),
+        )
+        .await?)
+}
+
+async fn publish(
+    ctx: &Context,
+    dsd: &DSparkDeployment,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note.chars().take(1000).collect()),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &dsd.object_ref(&())).await {
+        warn!("could not publish event {reason}: {e}");
+    }
+}
+
+/// The admin token: read from the Secret, or a new random one in a new Secret.
+async fn admin_token(ctx: &Context, dsd: &DSparkDeployment, ns: &str) -> Result<String> {
+    let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let name = pool::admin_secret_name(dsd);
+    if let Some(s) = api.get_opt(&name).await? {
+        if let Some(t) = s.data.as_ref().and_then(|d| d.get(ADMIN_TOKEN_KEY)) {
+            return Ok(String::from_utf8_lossy(&t.0).into_owned());
+        }
+    }
+    let token = random_token()?;
+    match api
+        .create(&PostParams::default(), &pool::admin_secret(dsd, &token))
+        .await
+    {
+        Ok(_) => Ok(token),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let s = api.get(&name).await?;
+            Ok(s.data
+                .and_then(|d| {
+                    d.get(ADMIN_TOKEN_KEY)
+                        .map(|t| String::from_utf8_lossy(&t.0).into_owned())
+                })
+                .unwrap_or_default())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn random_token() -> Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(Error::Token)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+async fn reconcile_inner(
+    dsd: &DSparkDeployment,
+    ctx: &Context,
+    rt: &mut Runtime,
+) -> Result<Action> {
+    let ns = dsd
+        .namespace()
+        .ok_or_else(|| Error::NoNamespace(dsd.name_any()))?;
+    let client = &ctx.client;
+    let now_wall = k8s_openapi::jiff::Timestamp::now();
+    let now = ctx.started.elapsed().as_secs_f64();
+    let spec = &dsd.spec;
+    let token = admin_token(ctx, dsd, &ns).await?;
+
+    let mut all: Vec<Arc<DSparkDeployment>> = ctx
+        .store
+        .state()
+        .into_iter()
+        .filter(|d| d.namespace().as_deref() == Some(ns.as_str()) && d.meta().uid != dsd.meta().uid)
+        .collect();
+    all.push(Arc::new(dsd.clone()));
+    let all_refs: Vec<&DSparkDeployment> = all.iter().map(|d| d.as_ref()).collect();
+
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let mut views: Vec<PoolView> = Vec::new();
+    let mut tables: Vec<Option<CostTable>> = Vec::new();
+    let mut requeue = Duration::from_secs(spec.autoscaling.period_seconds.max(1) as u64);
+
+    for p in &spec.pools {
+        let key = spec.cost_table_key(p);
+        let ct =
+            costs::ensure_cost_table(client, &ns, &key, costs::owners_of(&key, &all_refs)).await?;
+        let (ct_status, progress) = profiling::advance(client, dsd, p, &key, &ct, now_wall).await?;
+        match progress {
+            profiling::Progress::Nothing => {}
+            profiling::Progress::Started(job) => {
+                Metrics::inc(&ctx.metrics.profiling_jobs);
+                info!(pool = %p.name, %job, "profiling started");
+                publish(
+                    ctx,
+                    dsd,
+                    EventType::Normal,
+                    "ProfilingStarted",
+                    format!(
+                        "pool {}: profiling Job {job} measures the cost table {} on node type {}",
+                        p.name,
+                        ct.name_any(),
+                        p.node_type
+                    ),
+                )
+                .await;
+            }
+            profiling::Progress::Stored { revision, job } => {
+                Metrics::inc(&ctx.metrics.cost_tables_stored);
+                publish(
+                    ctx,
+                    dsd,
+                    EventType::Normal,
+                    "CostTableStored",
+                    format!(
+                        "pool {}: cost table {} revision {revision} stored from Job {job}",
+                        p.name,
+                        ct.name_any()
+                    ),
+                )
+                .await;
+            }
+            profiling::Progress::Failed {
+                job,
+                why,
+                retry_after,
+            } => {
+                Metrics::inc(&ctx.metrics.profiling_failures);
+                publish(ctx, dsd, EventType::Warning, "ProfilingFailed", format!("pool {}: profiling Job {job} failed: {why}; the engines keep their current table; next attempt after {retry_after}", p.name)).await;
+            }
+        }
+        if ct_status.phase == CostTablePhase::Profiling {
+            requeue = requeue.min(Duration::from_secs(10));
+        }
+        let table = ct_status
+            .table
+            .clone()
+            .filter(|_| ct_status.phase == CostTablePhase::Ready);
+        let json = table.as_ref().map(CostTable::to_json_pretty);
+        apply::<ConfigMap>(
+            client,
+            &ns,
+            &pool::cost_table_config_map(dsd, p, json.as_deref()),
+        )
+        .await?;
+
+        let current = deployments.get_opt(&pool::pool_object_name(dsd, p)).await?;
+        let pods = pods_api
+            .list(&ListParams::default().labels(&format!(
+                "{LABEL_DEPLOYMENT}={},{LABEL_POOL}={}",
+                dsd.name_any(),
+                p.name
+            )))
+            .await?;
+        views.push(PoolView {
+            name: p.name.clone(),
+            cost_table: ct.name_any(),
+            cost_table_revision: table.as_ref().map(|_| ct_status.revision),
+            phase: ct_status.phase,
+            message: ct_status.message.clone(),
+            current: current.as_ref().and_then(|d| d.spec.replicas),
+            replicas: current
+                .as_ref()
+                .and_then(|d| d.status.as_ref()?.replicas)
+                .unwrap_or(0),
+            ready: current
+                .as_ref()
+                .and_then(|d| d.status.as_ref()?.ready_replicas)
+                .unwrap_or(0),
+            ready_pods: costs::ready_pods(&pods.items),
+            desired: 0,
+        });
+        tables.push(table);
+    }
+
+    // Autoscaling.
+    let a = &spec.autoscaling;
+    let due = rt
+        .last_eval
+        .is_none_or(|t| now - t >= f64::from(a.period_seconds.max(1)) - 0.5);
+    if a.enabled && due {
+        let window = f64::from(spec.slo.window_seconds.max(1));
+        let max_age = 2.0 * f64::from(a.period_seconds.max(1)) + 5.0;
+        for v in &views {
+            let obs = match (a.metrics_source, &a.prometheus_url) {
+                (MetricsSource::Prometheus, Some(url)) => {
+                    let q = source::pool_queries(
+                        &ns,
+                        &format!("{}-{}", dsd.name_any(), v.name),
+                        window as i64,
+                    );
+                    source::prometheus_observe(&ctx.http, url, &q, max_age).await
+                }
+                _ => {
+                    let w = rt.windows.entry(v.name.clone()).or_default();
+                    let failed = source::scrape_pool(&ctx.http, &v.ready_pods, w, now).await;
+                    for (pod, e) in failed {
+                        warn!(pool = %v.name, %pod, "metrics scrape failed: {e}");
+                    }
+                    let names: Vec<String> = v.ready_pods.iter().map(|p| p.name.clone()).collect();
+                    w.prune(now, window, &names);
+                    w.observe(now, window, max_age, &names)
+                }
+            };
+            rt.observations.insert(v.name.clone(), obs);
+        }
+        rt.windows.retain(|k, _| views.iter().any(|v| &v.name == k));
+        rt.last_eval = Some(now);
+    }
+    let missing = PoolObservation::missing();
+    let inputs: Vec<PoolInput<'_>> = spec
+        .pools
+        .iter()
+        .zip(&views)
+        .zip(&tables)
+        .map(|((p, v), t)| PoolInput {
+            name: &p.name,
+            min: p.min_replicas,
+            max: p.max_replicas,
+            cost: p.cost,
+            current: v.current.unwrap_or(p.min_replicas),
+            ready: v.ready,
+            table: t.as_ref(),
+            obs: rt.observations.get(&p.name).unwrap_or(&missing),
+        })
+        .collect();
+    let policy_input = PolicyInput {
+        slo: SloTargets {
+            ttft_p95: f64::from(spec.slo.ttft_p95_ms) / 1e3,
+            itl_p95: f64::from(spec.slo.itl_p95_ms) / 1e3,
+        },
+        behavior: Behavior {
+            up_window: f64::from(a.scale_up_stabilization_seconds),
+            down_window: f64::from(a.scale_down_stabilization_seconds),
+            max_up: a.max_scale_up_step,
+            max_down: a.max_scale_down_step,
+            target_utilization: a.target_utilization,
+        },
+        external_total: spec.replicas,
+    };
+    let decisions = if (a.enabled && due) || spec.replicas.is_some() {
+        Some(policy::decide(&policy_input, &inputs, &mut rt.policy, now))
+    } else {
+        None
+    };
+    drop(inputs);
+    let advisory = a.mode == AutoscalingMode::Advisory && spec.replicas.is_none();
+    for (i, (p, v)) in spec.pools.iter().zip(views.iter_mut()).enumerate() {
+        let current = v.current.unwrap_or(p.min_replicas);
+        let mut desired = current.clamp(p.min_replicas, p.max_replicas);
+        if let Some(d) = decisions.as_ref().map(|d| &d[i]) {
+            rt.breached.insert(p.name.clone(), d.breached);
+            let applied = !advisory || matches!(d.reason, policy::Reason::Bounds { .. });
+            if applied {
+                desired = d.to;
+            }
+            // Advice repeated while it is not applied is recorded (and announced) once.
+            let repeated = rt.last_decision.as_ref().is_some_and(|l| {
+                !applied
+                    && !l.applied
+                    && l.pool == p.name
+                    && (l.from_replicas, l.to_replicas) == (d.from, d.to)
+                    && l.reason == d.reason.to_string()
+            });
+            if d.to != d.from && !repeated {
+                if applied {
+                    Metrics::inc(&ctx.metrics.scaling_decisions);
+                } else {
+                    Metrics::inc(&ctx.metrics.advisory_decisions);
+                }
+                let decision = ScalingDecisionStatus {
+                    pool: p.name.clone(),
+                    from_replicas: d.from,
+                    to_replicas: d.to,
+                    reason: d.reason.to_string(),
+                    applied,
+                    time: profiling::rfc3339(now_wall),
+                };
+                let verb = match (applied, d.to > d.from) {
+                    (false, _) => "ScalingAdvised",
+                    (true, true) => "ScaledUp",
+                    (true, false) => "ScaledDown",
+                };
+                info!(pool = %p.name, from = d.from, to = d.to, applied, reason = %d.reason, "scaling decision");
+                publish(
+                    ctx,
+                    dsd,
+                    EventType::Normal,
+                    verb,
+                    format!(
+                        "pool {}: {} -> {} replicas ({}): {}",
+                        p.name,
+                        d.from,
+                        d.to,
+                        d.reason.code(),
+                        d.reason
+                    ),
+                )
+                .await;
+                rt.last_decision = Some(decision);
+            }
+        }
+        v.desired = desired;
+    }
+
+    // Owned objects.
+    for ((p, v), table) in spec.pools.iter().zip(&views).zip(&tables) {
+        apply(
+            client,
+            &ns,
+            &pool::engine_deployment(dsd, p, v.desired, table.is_some()),
+        )
+        .await?;
+        apply::<Service>(client, &ns, &pool::pool_service(dsd, p)).await?;
+        apply::<PodDisruptionBudget>(client, &ns, &pool::pool_pdb(dsd, p)).await?;
+    }
+    apply::<Service>(client, &ns, &pool::deployment_service(dsd)).await?;
+
+    // Push stored tables to ready pods that do not hold them yet.
+    let alive: Vec<String> = views
+        .iter()
+        .flat_map(|v| v.ready_pods.iter().map(|p| p.name.clone()))
+        .collect();
+    rt.pushed.retain(|pod, _| alive.contains(pod));
+    for (v, table) in views.iter().zip(&tables) {
+        let Some(table) = table else { continue };
+        let digest = table.digest();
+        let todo: Vec<&PodTarget> = v
+            .ready_pods
+            .iter()
+            .filter(|p| rt.pushed.get(&p.name) != Some(&digest))
+            .collect();
+        for pod in todo {
+            match costs::push_to_pod(&ctx.http, pod, ADMIN_PORT, &token, table, 3).await {
+                Ok(outcome) => {
+                    rt.pushed.insert(pod.name.clone(), digest.clone());
+                    if let PushOutcome::Pushed(r) = outcome {
+                        Metrics::inc(&ctx.metrics.pushes);
+                        publish(ctx, dsd, EventType::Normal, "CostTablePushed", format!("pool {}: pod {} took cost table {} (engine revision {}, digest {})", v.name, pod.name, v.cost_table, r.revision, r.digest)).await;
+                    }
+                }
+                Err(e) => {
+                    Metrics::inc(&ctx.metrics.push_failures);
+                    requeue = requeue.min(Duration::from_secs(10));
+                    publish(
+                        ctx,
+                        dsd,
+                        EventType::Warning,
+                        "CostTablePushFailed",
+                        format!(
+                            "pool {}: {e}; the pod reads the mounted ConfigMap instead",
+                            v.name
+                        ),
+                    )
+                    .await;
+                }
+            }
+        }
+    }
+
+    // Status.
+    let old = dsd.status.clone().unwrap_or_default();
+    let new = status::build(&StatusInput {
+        dsd,
+        pools: &views,
+        observations: &rt.observations,
+        breached: &rt.breached,
+        last_decision: rt
+            .last_decision
+            .clone()
+            .or(old.last_scaling_decision.clone()),
+        evaluated: rt.last_eval.is_some(),
+        now: &profiling::rfc3339(now_wall),
+        old: &old,
+    });
+    if dsd.status.as_ref() != Some(&new) {
+        for (t, ok, reason, message) in status::transitions(&old, &new) {
+            let type_ = if !ok && t != "Scaling" {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            };
+            publish(ctx, dsd, type_, &reason, message).await;
+        }
+        let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+        let patch = serde_json::json!({
+            "apiVersion": DSparkDeployment::api_version(&()),
+            "kind": DSparkDeployment::kind(&()),
+            "status": new,
+        });
+        api.patch_status(
+            &dsd.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    }
+    Ok(Action::requeue(requeue))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        assert_eq!(backoff(1), Duration::from_secs(5));
+        assert_eq!(backoff(2), Duration::from_secs(10));
+        assert_eq!(backoff(4), Duration::from_secs(40));
+        assert_eq!(backoff(6), Duration::from_secs(160));
+        assert_eq!(backoff(30), Duration::from_secs(300));
+        assert!(backoff(u32::MAX) <= Duration::from_secs(300));
+    }
+}

@@ -1,0 +1,709 @@
+//! Builders of the objects one node pool owns: the engine Deployment, its Service, its
+//! PodDisruptionBudget and its cost-table ConfigMap; plus the deployment-wide Service and
+//! admin-token Secret. Pure: object in, objects out (applied with server-side apply).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
+};
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvVar, HTTPGetAction, HostPathVolumeSource, PersistentVolumeClaimVolumeSource,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
+    Secret, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
+    VolumeMount,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::ByteString;
+use kube::{Resource, ResourceExt};
+
+use crate::crd::{DSparkDeployment, ModelSource, NodePool};
+
+/// Label on every object and pod of a DSparkDeployment (the `/scale` selector).
+pub const LABEL_DEPLOYMENT: &str = "serving.dspark.dev/deployment";
+/// Label naming the pool of an object or pod.
+pub const LABEL_POOL: &str = "serving.dspark.dev/pool";
+/// Node label holding the node type.
+pub const NODE_TYPE_LABEL: &str = "dspark.dev/node-type";
+pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const MANAGER: &str = "dspark-operator";
+
+/// Engine ports.
+pub const HTTP_PORT: i32 = 8000;
+pub const ADMIN_PORT: i32 = 8001;
+/// Where the pool's cost table is mounted.
+pub const COST_TABLE_DIR: &str = "/etc/dspark/cost-table";
+pub const COST_TABLE_KEY: &str = "cost-table.json";
+/// Where the admin token is mounted.
+pub const ADMIN_TOKEN_DIR: &str = "/etc/dspark/admin";
+pub const ADMIN_TOKEN_KEY: &str = "token";
+/// UID the engine runs as (non-root).
+pub const ENGINE_UID: i64 = 65532;
+
+/// `{deployment}-{pool}`: the engine Deployment, Service and PDB of a pool.
+pub fn pool_object_name(dsd: &DSparkDeployment, pool: &NodePool) -> String {
+    format!("{}-{}", dsd.name_any(), pool.name)
+}
+
+/// `{deployment}-{pool}-cost-table`: the pool's cost-table ConfigMap.
+pub fn cost_table_config_map_name(dsd: &DSparkDeployment, pool: &NodePool) -> String {
+    format!("{}-{}-cost-table", dsd.name_any(), pool.name)
+}
+
+/// `{deployment}-admin-token`: the Secret holding the engines' admin bearer token.
+pub fn admin_secret_name(dsd: &DSparkDeployment) -> String {
+    format!("{}-admin-token", dsd.name_any())
+}
+
+/// The `/scale` label selector: every engine pod of the deployment.
+pub fn selector_string(dsd: &DSparkDeployment) -> String {
+    format!("{LABEL_DEPLOYMENT}={}", dsd.name_any())
+}
+
+fn owner(dsd: &DSparkDeployment) -> OwnerReference {
+    dsd.controller_owner_ref(&())
+        .expect("a stored DSparkDeployment has a uid")
+}
+
+fn base_labels(dsd: &DSparkDeployment) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_DEPLOYMENT.to_string(), dsd.name_any()),
+        (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
+    ])
+}
+
+fn pool_selector(dsd: &DSparkDeployment, pool: &NodePool) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_DEPLOYMENT.to_string(), dsd.name_any()),
+        (LABEL_POOL.to_string(), pool.name.clone()),
+    ])
+}
+
+fn pool_labels(dsd: &DSparkDeployment, pool: &NodePool) -> BTreeMap<String, String> {
+    let mut l = base_labels(dsd);
+    l.extend(pool_selector(dsd, pool));
+    l.insert(LABEL_COMPONENT.into(), "engine".into());
+    l
+}
+
+fn meta(dsd: &DSparkDeployment, name: String, labels: BTreeMap<String, String>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: dsd.namespace(),
+        labels: Some(labels),
+        owner_references: Some(vec![owner(dsd)]),
+        ..Default::default()
+    }
+}
+
+/// A model source as the container sees it: the path to pass and the volume to mount.
+pub struct Mounted {
+    pub path: String,
+    pub volume: Option<(Volume, VolumeMount)>,
+}
+
+/// Mounts `src` under `/models/{name}` (read-only) and returns the path the engine reads.
+pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
+    let dir = format!("/models/{name}");
+    if let Some(pvc) = &src.pvc {
+        let volume = Volume {
+            name: name.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: pvc.claim_name.clone(),
+                read_only: Some(true),
+            }),
+            ..Default::default()
+        };
+        let mount = VolumeMount {
+            name: name.into(),
+            mount_path: dir.clone(),
+            read_only: Some(true),
+            ..Default::default()
+        };
+        return Mounted {
+            path: format!("{dir}/{}", pvc.path.trim_start_matches('/')),
+            volume: Some((volume, mount)),
+        };
+    }
+    if let Some(hp) = &src.host_path {
+        let base = hp
+            .path
+            .trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .filter(|b| !b.is_empty())
+            .unwrap_or("model");
+        let path = format!("{dir}/{base}");
+        let volume = Volume {
+            name: name.into(),
+            host_path: Some(HostPathVolumeSource {
+                path: hp.path.clone(),
+                type_: None,
+            }),
+            ..Default::default()
+        };
+        let mount = VolumeMount {
+            name: name.into(),
+            mount_path: path.clone(),
+            read_only: Some(true),
+            ..Default::default()
+        };
+        return Mounted {
+            path,
+            volume: Some((volume, mount)),
+        };
+    }
+    Mounted {
+        path: src.uri.clone().unwrap_or_default(),
+        volume: None,
+    }
+}
+
+/// Pod-level placement and security shared by engine and profiling pods.
+pub fn pod_spec_base(pool: &NodePool, containers: Vec<Container>, volumes: Vec<Volume>) -> PodSpec {
+    let mut node_selector = pool.node_selector.clone();
+    node_selector.insert(NODE_TYPE_LABEL.into(), pool.node_type.clone());
+    PodSpec {
+        containers,
+        volumes: Some(volumes),
+        node_selector: Some(node_selector),
+        tolerations: (!pool.tolerations.is_empty()).then(|| pool.tolerations.clone()),
+        automount_service_account_token: Some(false),
+        security_context: Some(PodSecurityContext {
+            run_as_non_root: Some(true),
+            run_as_user: Some(ENGINE_UID),
+            run_as_group: Some(ENGINE_UID),
+            fs_group: Some(ENGINE_UID),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Non-root, read-only root filesystem, no privilege escalation, no capabilities.
+pub fn container_security() -> SecurityContext {
+    SecurityContext {
+        run_as_non_root: Some(true),
+        read_only_root_filesystem: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The engine's resources plus the pool's accelerators (request = limit).
+pub fn resources(dsd: &DSparkDeployment, pool: &NodePool) -> ResourceRequirements {
+    let mut r = dsd.spec.engine.resources.clone().unwrap_or_default();
+    if pool.gpu.count > 0 {
+        let q = Quantity(pool.gpu.count.to_string());
+        r.requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert(pool.gpu.resource_name.clone(), q.clone());
+        r.limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(pool.gpu.resource_name.clone(), q);
+    }
+    r
+}
+
+fn tmp_volume() -> (Volume, VolumeMount) {
+    (
+        Volume {
+            name: "tmp".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..Default::default()
+        },
+    )
+}
+
+/// The `dspark-engine serve` arguments of a pool's pods.
+pub fn serve_args(
+    dsd: &DSparkDeployment,
+    model: &str,
+    drafter: Option<&str>,
+    has_table: bool,
+) -> Vec<String> {
+    let mut a: Vec<String> = vec!["serve".into(), "--model".into(), model.into()];
+    if let Some(d) = drafter {
+        a.extend(["--drafter".into(), d.into()]);
+    }
+    if let Some(s) = dsd.spec.speculation {
+        a.extend(["--speculation".into(), s.engine_flag().into()]);
+    }
+    if let Some(p) = dsd
+        .spec
+        .scheduler
+        .as_ref()
+        .and_then(|s| s.policy.engine_flag())
+    {
+        a.extend(["--policy".into(), p.into()]);
+    }
+    a.extend([
+        "--host".into(),
+        "0.0.0.0".into(),
+        "--port".into(),
+        HTTP_PORT.to_string(),
+        "--admin-port".into(),
+        ADMIN_PORT.to_string(),
+        "--admin-token-file".into(),
+        format!("{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"),
+    ]);
+    if has_table {
+        a.extend([
+            "--cost-table".into(),
+            format!("{COST_TABLE_DIR}/{COST_TABLE_KEY}"),
+        ]);
+    }
+    a.extend(dsd.spec.engine.args.iter().cloned());
+    a
+}
+
+fn engine_env(dsd: &DSparkDeployment, pool: &NodePool) -> Vec<EnvVar> {
+    let var = |name: &str, value: String| EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..Default::default()
+    };
+    let mut env = vec![var("DSPARK_NODE_TYPE", pool.node_type.clone())];
+    if let Some(s) = &dsd.spec.scheduler {
+        if let Some(g) = s.gamma {
+            env.push(var("DSPARK_GAMMA", g.to_string()));
+        }
+        if let Some(t) = s.threshold {
+            env.push(var("DSPARK_THRESHOLD", t.to_string()));
+        }
+    }
+    env.extend(dsd.spec.engine.env.iter().cloned());
+    env
+}
+
+fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("http".into()),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        ..Default::default()
+    }
+}
+
+/// The engine Deployment of `pool` with `replicas` replicas. `has_table`: the pool's ConfigMap
+/// holds a cost table, so `--cost-table` is passed (before that the engine uses its default
+/// table, and a table pushed over the admin API).
+pub fn engine_deployment(
+    dsd: &DSparkDeployment,
+    pool: &NodePool,
+    replicas: i32,
+    has_table: bool,
+) -> Deployment {
+    let model = mount_model(&dsd.spec.model, "model");
+    let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
+    let (tmp_v, tmp_m) = tmp_volume();
+    let mut volumes = vec![
+        tmp_v,
+        Volume {
+            name: "cost-table".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: cost_table_config_map_name(dsd, pool),
+                optional: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: "admin-token".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(admin_secret_name(dsd)),
+                default_mode: Some(0o440),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
+    let mut mounts = vec![
+        tmp_m,
+        VolumeMount {
+            name: "cost-table".into(),
+            mount_path: COST_TABLE_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "admin-token".into(),
+            mount_path: ADMIN_TOKEN_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+    ];
+    for m in std::iter::once(&model).chain(drafter.as_ref()) {
+        if let Some((v, vm)) = &m.volume {
+            volumes.push(v.clone());
+            mounts.push(vm.clone());
+        }
+    }
+    let container = Container {
+        name: "engine".into(),
+        image: Some(dsd.spec.engine.image.clone()),
+        image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
+        command: Some(vec!["dspark-engine".into()]),
+        args: Some(serve_args(
+            dsd,
+            &model.path,
+            drafter.as_ref().map(|d| d.path.as_str()),
+            has_table,
+        )),
+        env: Some(engine_env(dsd, pool)),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some("http".into()),
+                container_port: HTTP_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+            ContainerPort {
+                name: Some("admin".into()),
+                container_port: ADMIN_PORT,
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            },
+        ]),
+        resources: Some(resources(dsd, pool)),
+        readiness_probe: Some(http_probe("/ready", 5, 3)),
+        liveness_probe: Some(http_probe("/health", 10, 3)),
+        startup_probe: Some(http_probe("/health", 5, 120)),
+        security_context: Some(container_security()),
+        volume_mounts: Some(mounts),
+        ..Default::default()
+    };
+    let labels = pool_labels(dsd, pool);
+    Deployment {
+        metadata: meta(dsd, pool_object_name(dsd, pool), labels.clone()),
+        spec: DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(pool_selector(dsd, pool)),
+                ..Default::default()
+            },
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(1)),
+                    max_unavailable: Some(IntOrString::Int(0)),
+                }),
+            }),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
+                spec: Some(pod_spec_base(pool, vec![container], volumes)),
+            },
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn http_service(
+    dsd: &DSparkDeployment,
+    name: String,
+    labels: BTreeMap<String, String>,
+    selector: BTreeMap<String, String>,
+) -> Service {
+    Service {
+        metadata: meta(dsd, name, labels),
+        spec: Some(ServiceSpec {
+            selector: Some(selector),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: HTTP_PORT,
+                target_port: Some(IntOrString::String("http".into())),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The pool's Service (OpenAI API of that pool's pods only).
+pub fn pool_service(dsd: &DSparkDeployment, pool: &NodePool) -> Service {
+    http_service(
+        dsd,
+        pool_object_name(dsd, pool),
+        pool_labels(dsd, pool),
+        pool_selector(dsd, pool),
+    )
+}
+
+/// The deployment-wide Service over every pool (what clients use; lets extra capacity on
+/// any pool serve all traffic).
+pub fn deployment_service(dsd: &DSparkDeployment) -> Service {
+    let selector = BTreeMap::from([(LABEL_DEPLOYMENT.to_string(), dsd.name_any())]);
+    http_service(dsd, dsd.name_any(), base_labels(dsd), selector)
+}
+
+/// At most one engine pod of the pool down at a time for voluntary disruptions.
+pub fn pool_pdb(dsd: &DSparkDeployment, pool: &NodePool) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: meta(dsd, pool_object_name(dsd, pool), pool_labels(dsd, pool)),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(pool_selector(dsd, pool)),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The pool's cost-table ConfigMap; without a table it holds no data (the engine keeps its
+/// default table).
+pub fn cost_table_config_map(
+    dsd: &DSparkDeployment,
+    pool: &NodePool,
+    table_json: Option<&str>,
+) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(
+            dsd,
+            cost_table_config_map_name(dsd, pool),
+            pool_labels(dsd, pool),
+        ),
+        data: table_json.map(|t| BTreeMap::from([(COST_TABLE_KEY.to_string(), t.to_string())])),
+        ..Default::default()
+    }
+}
+
+/// The admin-token Secret holding `token`.
+pub fn admin_secret(dsd: &DSparkDeployment, token: &str) -> Secret {
+    Secret {
+        metadata: meta(dsd, admin_secret_name(dsd), base_labels(dsd)),
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            ADMIN_TOKEN_KEY.to_string(),
+            ByteString(token.as_bytes().to_vec()),
+        )])),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::crd::*;
+
+    pub(crate) fn sample() -> DSparkDeployment {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../config/samples/dsparkdeployment-two-pools.yaml"
+        ))
+        .unwrap();
+        let mut d: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        d.metadata.namespace = Some("ns".into());
+        d.metadata.uid = Some("uid-1".into());
+        d
+    }
+
+    #[test]
+    fn engine_deployment_matches_the_pool() {
+        let d = sample();
+        let pool = &d.spec.pools[1];
+        let dep = engine_deployment(&d, pool, 3, true);
+        assert_eq!(dep.metadata.name.as_deref(), Some("qwen3-8b-a100"));
+        assert_eq!(dep.metadata.namespace.as_deref(), Some("ns"));
+        let owner = &dep.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("DSparkDeployment", "uid-1", Some(true))
+        );
+        let spec = dep.spec;
+        assert_eq!(spec.replicas, Some(3));
+        let pod = spec.template.spec.unwrap();
+        let ns = pod.node_selector.unwrap();
+        assert_eq!(ns[NODE_TYPE_LABEL], "a100-80gb");
+        assert_eq!(ns["nvidia.com/gpu.product"], "NVIDIA-A100-SXM4-80GB");
+        assert_eq!(
+            pod.tolerations.unwrap()[0].key.as_deref(),
+            Some("nvidia.com/gpu")
+        );
+        assert_eq!(pod.security_context.unwrap().run_as_non_root, Some(true));
+        let c = &pod.containers[0];
+        let res = c.resources.as_ref().unwrap();
+        assert_eq!(
+            res.limits.as_ref().unwrap()["nvidia.com/gpu"],
+            Quantity("1".into())
+        );
+        assert_eq!(
+            res.requests.as_ref().unwrap()["nvidia.com/gpu"],
+            Quantity("1".into())
+        );
+        let sc = c.security_context.as_ref().unwrap();
+        assert_eq!(sc.read_only_root_filesystem, Some(true));
+        assert_eq!(sc.allow_privilege_escalation, Some(false));
+        let args = c.args.as_ref().unwrap().join(" ");
+        assert_eq!(
+            args,
+            "serve --model /models/model/qwen3-8b --drafter /models/drafter/qwen3-8b-dspark-b7 \
+             --speculation dspark-rnn --policy threshold --host 0.0.0.0 --port 8000 \
+             --admin-port 8001 --admin-token-file /etc/dspark/admin/token \
+             --cost-table /etc/dspark/cost-table/cost-table.json --max-batch-tokens 8192"
+        );
+        assert_eq!(
+            c.command.as_deref(),
+            Some(&["dspark-engine".to_string()][..])
+        );
+        let probe = |p: &Option<Probe>| {
+            p.as_ref()
+                .unwrap()
+                .http_get
+                .as_ref()
+                .unwrap()
+                .path
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(probe(&c.readiness_probe), "/ready");
+        assert_eq!(probe(&c.liveness_probe), "/health");
+        let ports: Vec<i32> = c
+            .ports
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|p| p.container_port)
+            .collect();
+        assert_eq!(ports, vec![8000, 8001]);
+        let mounts: BTreeMap<String, String> = c
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|m| (m.name.clone(), m.mount_path.clone()))
+            .collect();
+        assert_eq!(mounts["cost-table"], "/etc/dspark/cost-table");
+        assert_eq!(mounts["admin-token"], "/etc/dspark/admin");
+        assert_eq!(mounts["model"], "/models/model");
+        assert_eq!(mounts["tmp"], "/tmp");
+        let vols: BTreeMap<String, Volume> = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.name.clone(), v))
+            .collect();
+        assert_eq!(
+            vols["cost-table"].config_map.as_ref().unwrap().name,
+            "qwen3-8b-a100-cost-table"
+        );
+        assert_eq!(
+            vols["admin-token"]
+                .secret
+                .as_ref()
+                .unwrap()
+                .secret_name
+                .as_deref(),
+            Some("qwen3-8b-admin-token")
+        );
+        assert_eq!(
+            vols["model"]
+                .persistent_volume_claim
+                .as_ref()
+                .unwrap()
+                .claim_name,
+            "models"
+        );
+        let env: BTreeMap<String, String> = c
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect();
+        assert_eq!(env["DSPARK_GAMMA"], "7");
+        assert_eq!(env["DSPARK_THRESHOLD"], "0.4");
+        assert_eq!(env["RUST_LOG"], "info");
+        assert_eq!(spec.selector.match_labels.unwrap()[LABEL_POOL], "a100");
+    }
+
+    #[test]
+    fn no_table_no_flag_and_host_path_models_mount_the_file() {
+        let mut d = sample();
+        d.spec.model = ModelSource {
+            host_path: Some(HostPathSource {
+                path: "/data/m/smollm2.gguf".into(),
+            }),
+            ..Default::default()
+        };
+        d.spec.drafter = None;
+        d.spec.scheduler = None;
+        d.spec.speculation = None;
+        d.spec.engine.args.clear();
+        let dep = engine_deployment(&d, &d.spec.pools[0], 1, false);
+        let pod = dep.spec.template.spec.unwrap();
+        let c = &pod.containers[0];
+        assert_eq!(
+            c.args.as_ref().unwrap().join(" "),
+            "serve --model /models/model/smollm2.gguf --host 0.0.0.0 --port 8000 --admin-port 8001 \
+             --admin-token-file /etc/dspark/admin/token"
+        );
+        let model = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "model")
+            .unwrap();
+        assert_eq!(model.host_path.unwrap().path, "/data/m/smollm2.gguf");
+        // A pool without accelerators requests none.
+        let mut cpu = d.spec.pools[0].clone();
+        cpu.gpu.count = 0;
+        let r = resources(&d, &cpu);
+        assert!(r.limits.is_none() && r.requests.is_none());
+    }
+
+    #[test]
+    fn services_pdb_config_map_and_secret() {
+        let d = sample();
+        let pool = &d.spec.pools[0];
+        let s = pool_service(&d, pool);
+        let spec = s.spec.unwrap();
+        assert_eq!(s.metadata.name.as_deref(), Some("qwen3-8b-h100"));
+        assert_eq!(spec.selector.unwrap()[LABEL_POOL], "h100");
+        assert_eq!(spec.ports.unwrap()[0].port, 8000);
+        let all = deployment_service(&d);
+        assert_eq!(all.metadata.name.as_deref(), Some("qwen3-8b"));
+        assert!(!all.spec.unwrap().selector.unwrap().contains_key(LABEL_POOL));
+        let pdb = pool_pdb(&d, pool);
+        assert_eq!(pdb.spec.unwrap().max_unavailable, Some(IntOrString::Int(1)));
+        let cm = cost_table_config_map(&d, pool, Some("{}"));
+        assert_eq!(cm.data.unwrap()[COST_TABLE_KEY], "{}");
+        assert!(cost_table_config_map(&d, pool, None).data.is_none());
+        let sec = admin_secret(&d, "abc");
+        assert_eq!(sec.data.unwrap()[ADMIN_TOKEN_KEY].0, b"abc");
+        assert_eq!(
+            selector_string(&d),
+            "serving.dspark.dev/deployment=qwen3-8b"
+        );
+    }
+}

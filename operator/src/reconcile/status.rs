@@ -1,0 +1,473 @@
+//! The DSparkDeployment status, computed purely from what a reconcile saw. Deterministic: a
+//! condition's `lastTransitionTime` moves only when its status does, measured values are
+//! rounded, so an unchanged world writes nothing (no hot loop from the operator's own writes).
+
+use std::collections::BTreeMap;
+
+use super::costs::PodTarget;
+use super::pool::selector_string;
+use crate::autoscale::metrics::{Freshness, PoolObservation};
+use crate::autoscale::policy::round_sig;
+use crate::crd::{
+    AutoscalingMode, CostTablePhase, DSparkDeployment, DSparkDeploymentStatus, PoolStatus,
+    ScalingDecisionStatus,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// One pool as a reconcile saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolView {
+    pub name: String,
+    pub cost_table: String,
+    /// Revision of the table in the pool's ConfigMap.
+    pub cost_table_revision: Option<i64>,
+    pub phase: CostTablePhase,
+    /// Why profiling failed, if it did.
+    pub message: Option<String>,
+    /// `spec.replicas` of the pool's Deployment (`None`: not created yet).
+    pub current: Option<i32>,
+    /// `status.replicas` of the pool's Deployment.
+    pub replicas: i32,
+    pub ready: i32,
+    pub ready_pods: Vec<PodTarget>,
+    /// Replicas this reconcile asks for.
+    pub desired: i32,
+}
+
+/// Everything the status is computed from.
+pub struct StatusInput<'a> {
+    pub dsd: &'a DSparkDeployment,
+    pub pools: &'a [PoolView],
+    pub observations: &'a BTreeMap<String, PoolObservation>,
+    pub breached: &'a BTreeMap<String, Option<bool>>,
+    pub last_decision: Option<ScalingDecisionStatus>,
+    /// Whether the autoscaler has looked at metrics yet.
+    pub evaluated: bool,
+    /// RFC 3339 time of this reconcile (used only for conditions that change).
+    pub now: &'a str,
+    pub old: &'a DSparkDeploymentStatus,
+}
+
+fn ms(x: Option<f64>) -> Option<f64> {
+    x.map(|v| round_sig(v * 1e3, 3))
+}
+
+/// The status to write.
+pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
+    let pools: Vec<PoolStatus> = i
+        .pools
+        .iter()
+        .map(|v| {
+            let obs = i.observations.get(&v.name);
+            PoolStatus {
+                name: v.name.clone(),
+                desired_replicas: v.desired,
+                ready_replicas: v.ready,
+                cost_table: Some(v.cost_table.clone()),
+                cost_table_revision: v.cost_table_revision,
+                ttft_p95_ms: ms(obs.and_then(|o| o.ttft_p95)),
+                itl_p95_ms: ms(obs.and_then(|o| o.itl_p95)),
+                acceptance_length: obs
+                    .and_then(|o| o.acceptance_length)
+                    .map(|t| round_sig(t, 3)),
+            }
+        })
+        .collect();
+    let breached: Vec<Option<bool>> = i
+        .pools
+        .iter()
+        .map(|v| i.breached.get(&v.name).copied().flatten())
+        .collect();
+    let slo = if breached.contains(&Some(true)) {
+        "Breached"
+    } else if !breached.is_empty() && breached.iter().all(|b| *b == Some(false)) {
+        "Met"
+    } else {
+        "Unknown"
+    };
+    let mut conditions = vec![
+        ready_condition(i.pools),
+        profiled_condition(i),
+        scaling_condition(i),
+        metrics_condition(i),
+    ];
+    for c in &mut conditions {
+        c.observed_generation = i.dsd.metadata.generation;
+        let previous = i.old.conditions.iter().find(|o| o.type_ == c.type_);
+        c.last_transition_time = match previous {
+            Some(o) if o.status == c.status => o.last_transition_time.clone(),
+            _ => Time(i.now.parse().expect("reconcile time is RFC 3339")),
+        };
+    }
+    DSparkDeploymentStatus {
+        observed_generation: i.dsd.metadata.generation,
+        conditions,
+        replicas: i.pools.iter().map(|v| v.replicas).sum(),
+        ready_replicas: i.pools.iter().map(|v| v.ready).sum(),
+        desired_replicas: i.pools.iter().map(|v| v.desired).sum(),
+        selector: Some(selector_string(i.dsd)),
+        slo_status: Some(slo.into()),
+        pools,
+        last_scaling_decision: i.last_decision.clone(),
+    }
+}
+
+fn condition(type_: &str, ok: Option<bool>, reason: &str, message: String) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: match ok {
+            Some(true) => "True",
+            Some(false) => "False",
+            None => "Unknown",
+        }
+        .into(),
+        reason: reason.into(),
+        message,
+        last_transition_time: Time(Default::default()),
+        observed_generation: None,
+    }
+}
+
+fn ready_condition(pools: &[PoolView]) -> Condition {
+    let lagging: Vec<String> = pools
+        .iter()
+        .filter(|v| v.ready < v.desired)
+        .map(|v| format!("{}: {}/{} ready", v.name, v.ready, v.desired))
+        .collect();
+    let ready: i32 = pools.iter().map(|v| v.ready).sum();
+    if !lagging.is_empty() {
+        condition("Ready", Some(false), "ReplicasNotReady", lagging.join("; "))
+    } else if ready == 0 {
+        condition(
+            "Ready",
+            Some(false),
+            "NoReplicas",
+            "no engine replica is running".into(),
+        )
+    } else {
+        condition(
+            "Ready",
+            Some(true),
+            "AllReplicasReady",
+            format!("{ready} engine replicas ready"),
+        )
+    }
+}
+
+fn profiled_condition(i: &StatusInput<'_>) -> Condition {
+    let pools = i.pools;
+    let failed: Vec<String> = pools
+        .iter()
+        .filter(|v| v.phase == CostTablePhase::Failed)
+        .map(|v| {
+            format!(
+                "{}: {}",
+                v.name,
+                v.message.as_deref().unwrap_or("profiling failed")
+            )
+        })
+        .collect();
+    let profiling: Vec<&str> = pools
+        .iter()
+        .filter(|v| v.phase == CostTablePhase::Profiling)
+        .map(|v| v.name.as_str())
+        .collect();
+    if pools.iter().all(|v| v.cost_table_revision.is_some()) {
+        let tables: Vec<String> = pools
+            .iter()
+            .map(|v| {
+                format!(
+                    "{}: {} r{}",
+                    v.name,
+                    v.cost_table,
+                    v.cost_table_revision.unwrap_or(0)
+                )
+            })
+            .collect();
+        condition(
+            "Profiled",
+            Some(true),
+            "CostTablesStored",
+            tables.join("; "),
+        )
+    } else if !failed.is_empty() {
+        condition(
+            "Profiled",
+            Some(false),
+            "ProfilingFailed",
+            format!("{}; engines keep their default table", failed.join("; ")),
+        )
+    } else if !profiling.is_empty() {
+        condition(
+            "Profiled",
+            Some(false),
+            "Profiling",
+            format!("profiling Jobs running for pools {}", profiling.join(", ")),
+        )
+    } else if !i.dsd.spec.profiling.enabled {
+        condition(
+            "Profiled",
+            Some(false),
+            "ProfilingDisabled",
+            "profiling is disabled; engines use their default table".into(),
+        )
+    } else {
+        condition(
+            "Profiled",
+            Some(false),
+            "Pending",
+            "waiting to profile".into(),
+        )
+    }
+}
+
+fn scaling_condition(i: &StatusInput<'_>) -> Condition {
+    let a = &i.dsd.spec.autoscaling;
+    let moving: Vec<String> = i
+        .pools
+        .iter()
+        .filter(|v| v.current.is_some() && v.replicas != v.desired)
+        .map(|v| format!("{}: {} -> {}", v.name, v.replicas, v.desired))
+        .collect();
+    if !moving.is_empty() {
+        let up = i.pools.iter().any(|v| v.desired > v.replicas);
+        let reason = if up { "ScalingUp" } else { "ScalingDown" };
+        return condition("Scaling", Some(true), reason, moving.join("; "));
+    }
+    if i.dsd.spec.replicas.is_some() {
+        return condition(
+            "Scaling",
+            Some(false),
+            "ExternalReplicas",
+            "spec.replicas sets the total (scale subresource)".into(),
+        );
+    }
+    if !a.enabled {
+        return condition(
+            "Scaling",
+            Some(false),
+            "AutoscalingDisabled",
+            "autoscaling is disabled".into(),
+        );
+    }
+    if a.mode == AutoscalingMode::Advisory {
+        let last = i
+            .last_decision
+            .as_ref()
+            .map(|d| {
+                format!(
+                    "; last advice: pool {} {} -> {}: {}",
+                    d.pool, d.from_replicas, d.to_replicas, d.reason
+                )
+            })
+            .unwrap_or_default();
+        return condition(
+            "Scaling",
+            Some(false),
+            "Advisory",
+            format!("advisory mode: decisions are recorded, not applied{last}"),
+        );
+    }
+    condition(
+        "Scaling",
+        Some(false),
+        "Steady",
+        "every pool has the replicas it needs".into(),
+    )
+}
+
+fn metrics_condition(i: &StatusInput<'_>) -> Condition {
+    if !i.dsd.spec.autoscaling.enabled {
+        return condition(
+            "MetricsAvailable",
+            None,
+            "AutoscalingDisabled",
+            "metrics are not read while autoscaling is disabled".into(),
+        );
+    }
+    if !i.evaluated {
+        return condition(
+            "MetricsAvailable",
+            None,
+            "NotEvaluated",
+            "metrics not read yet".into(),
+        );
+    }
+    let with = |f: Freshness| -> Vec<&str> {
+        i.pools
+            .iter()
+            .filter(|v| i.observations.get(&v.name).map(|o| o.freshness) == Some(f))
+            .map(|v| v.name.as_str())
+            .collect()
+    };
+    let missing = with(Freshness::Missing);
+    let stale = with(Freshness::Stale);
+    if !missing.is_empty() {
+        condition(
+            "MetricsAvailable",
+            Some(false),
+            "Missing",
+            format!(
+                "no metrics for pools {}; not scaling down",
+                missing.join(", ")
+            ),
+        )
+    } else if !stale.is_empty() {
+        condition(
+            "MetricsAvailable",
+            Some(false),
+            "Stale",
+            format!(
+                "stale metrics for pools {}; not scaling down",
+                stale.join(", ")
+            ),
+        )
+    } else {
+        condition(
+            "MetricsAvailable",
+            Some(true),
+            "Fresh",
+            "metrics of every pool are fresh".into(),
+        )
+    }
+}
+
+/// Conditions whose status changed: `(type, now true, reason, message)`, for events.
+pub fn transitions(
+    old: &DSparkDeploymentStatus,
+    new: &DSparkDeploymentStatus,
+) -> Vec<(String, bool, String, String)> {
+    new.conditions
+        .iter()
+        .filter(|c| {
+            old.conditions
+                .iter()
+                .find(|o| o.type_ == c.type_)
+                .is_none_or(|o| o.status != c.status || o.reason != c.reason)
+        })
+        .map(|c| {
+            (
+                c.type_.clone(),
+                c.status == "True",
+                c.reason.clone(),
+                c.message.clone(),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::pool::tests::sample;
+
+    fn view(name: &str, desired: i32, ready: i32, rev: Option<i64>) -> PoolView {
+        PoolView {
+            name: name.into(),
+            cost_table: format!("{name}-ct"),
+            cost_table_revision: rev,
+            phase: if rev.is_some() {
+                CostTablePhase::Ready
+            } else {
+                CostTablePhase::Profiling
+            },
+            message: None,
+            current: Some(desired),
+            replicas: desired,
+            ready,
+            ready_pods: Vec::new(),
+            desired,
+        }
+    }
+
+    fn obs(f: Freshness, itl: f64) -> PoolObservation {
+        PoolObservation {
+            freshness: f,
+            itl_p95: Some(itl),
+            acceptance_length: Some(2.34567),
+            ..PoolObservation::missing()
+        }
+    }
+
+    #[test]
+    fn status_is_deterministic_and_keeps_transition_times() {
+        let mut d = sample();
+        d.metadata.generation = Some(4);
+        d.spec.autoscaling.mode = AutoscalingMode::Active;
+        let pools = vec![view("h100", 2, 2, Some(1)), view("a100", 1, 0, None)];
+        let observations = BTreeMap::from([
+            ("h100".to_string(), obs(Freshness::Fresh, 0.0312345)),
+            ("a100".to_string(), obs(Freshness::Stale, 0.05)),
+        ]);
+        let breached = BTreeMap::from([
+            ("h100".to_string(), Some(false)),
+            ("a100".to_string(), None),
+        ]);
+        let old = DSparkDeploymentStatus::default();
+        let input = |now, old| StatusInput {
+            dsd: &d,
+            pools: &pools,
+            observations: &observations,
+            breached: &breached,
+            last_decision: None,
+            evaluated: true,
+            now,
+            old,
+        };
+        let s1 = build(&input("2026-11-29T10:00:00Z", &old));
+        assert_eq!(s1.observed_generation, Some(4));
+        assert_eq!(
+            (s1.replicas, s1.ready_replicas, s1.desired_replicas),
+            (3, 2, 3)
+        );
+        assert_eq!(
+            s1.selector.as_deref(),
+            Some("serving.dspark.dev/deployment=qwen3-8b")
+        );
+        assert_eq!(s1.slo_status.as_deref(), Some("Unknown"));
+        assert_eq!(s1.pools[0].itl_p95_ms, Some(31.2));
+        assert_eq!(s1.pools[0].acceptance_length, Some(2.35));
+        let cond = |s: &DSparkDeploymentStatus, t: &str| {
+            s.conditions.iter().find(|c| c.type_ == t).unwrap().clone()
+        };
+        assert_eq!(cond(&s1, "Ready").reason, "ReplicasNotReady");
+        assert_eq!(cond(&s1, "Profiled").reason, "Profiling");
+        assert_eq!(cond(&s1, "MetricsAvailable").reason, "Stale");
+        assert_eq!(cond(&s1, "Scaling").reason, "Steady");
+        // Same world later: identical status, no write.
+        let s2 = build(&input("2026-11-29T10:05:00Z", &s1));
+        assert_eq!(s1, s2);
+        assert!(transitions(&s1, &s2).is_empty());
+        let t = transitions(&old, &s1);
+        assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn conditions_follow_the_world() {
+        let d = sample();
+        let pools = vec![view("h100", 2, 2, Some(3))];
+        let observations = BTreeMap::from([("h100".to_string(), obs(Freshness::Fresh, 0.03))]);
+        let breached = BTreeMap::from([("h100".to_string(), Some(true))]);
+        let old = DSparkDeploymentStatus::default();
+        let s = build(&StatusInput {
+            dsd: &d,
+            pools: &pools,
+            observations: &observations,
+            breached: &breached,
+            last_decision: None,
+            evaluated: true,
+            now: "2026-11-29T10:00:00Z",
+            old: &old,
+        });
+        let cond = |t: &str| s.conditions.iter().find(|c| c.type_ == t).unwrap().clone();
+        assert_eq!(s.slo_status.as_deref(), Some("Breached"));
+        assert_eq!(
+            (cond("Ready").status.as_str(), cond("Ready").reason.as_str()),
+            ("True", "AllReplicasReady")
+        );
+        assert_eq!(cond("Profiled").message, "h100: h100-ct r3");
+        assert_eq!(cond("MetricsAvailable").status, "True");
+        // The sample is in advisory mode.
+        assert_eq!(cond("Scaling").reason, "Advisory");
+    }
+}

@@ -1,0 +1,740 @@
+//! Integration tests against a real apiserver (`tests/cluster/cluster.sh up`, then
+//! `export KUBECONFIG=$(tests/cluster/cluster.sh kubeconfig)`). Without a reachable cluster
+//! each test prints why and passes, unless `DSPARK_REQUIRE_CLUSTER=1`, where it fails.
+//!
+//! Each test works in a namespace of its own and deletes it at the end.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client, ResourceExt};
+
+use dspark_operator::crd::{CostTablePhase, DSparkCostTable, DSparkDeployment};
+use dspark_operator::reconcile::pool::{LABEL_MANAGED_BY, MANAGER};
+use dspark_operator::reconcile::{error_policy, reconcile, Context};
+
+/// A client for the test cluster, or `None` (after saying why) when there is none.
+async fn cluster(test: &str) -> Option<Client> {
+    let require = std::env::var("DSPARK_REQUIRE_CLUSTER").as_deref() == Ok("1");
+    let skip = |why: String| {
+        if require {
+            panic!("{test}: DSPARK_REQUIRE_CLUSTER=1 but {why}");
+        }
+        eprintln!(
+            "SKIP {test}: {why} (start one with tests/cluster/cluster.sh up and export KUBECONFIG)"
+        );
+        None
+    };
+    if std::env::var_os("KUBECONFIG").is_none() {
+        return skip("KUBECONFIG is not set".into());
+    }
+    let client = match Client::try_default().await {
+        Ok(c) => c,
+        Err(e) => return skip(format!("no usable kubeconfig: {e}")),
+    };
+    match tokio::time::timeout(Duration::from_secs(5), client.apiserver_version()).await {
+        Ok(Ok(_)) => Some(client),
+        Ok(Err(e)) => skip(format!("the apiserver does not answer: {e}")),
+        Err(_) => skip("the apiserver does not answer within 5 s".into()),
+    }
+}
+
+fn repo(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path)
+}
+
+/// Applies the committed CRDs and waits until they are established.
+async fn install_crds(client: &Client) {
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for (file, _) in dspark_operator::crds::render().unwrap() {
+        let text = std::fs::read_to_string(repo("crds").join(file)).unwrap();
+        let crd: CustomResourceDefinition = serde_yaml::from_str(&text).unwrap();
+        api.patch(
+            &crd.name_any(),
+            &PatchParams::apply("dspark-tests").force(),
+            &Patch::Apply(&crd),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("applying {file}: {e}"));
+        let name = crd.name_any();
+        wait_for(&format!("CRD {name} established"), || {
+            let api = api.clone();
+            let name = name.clone();
+            async move {
+                let c = api.get(&name).await.ok()?;
+                c.status?
+                    .conditions?
+                    .iter()
+                    .any(|c| c.type_ == "Established" && c.status == "True")
+                    .then_some(())
+            }
+        })
+        .await;
+    }
+}
+
+async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    for _ in 0..120 {
+        if let Some(v) = f().await {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// A fresh namespace `{base}-{unique}` (namespaces of earlier runs may still be terminating).
+async fn namespace(client: &Client, base: &str) -> String {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let unique = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+        % 1_000_000_000;
+    let name = format!("{base}-{unique}");
+    let ns: Namespace = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name }
+    }))
+    .unwrap();
+    api.create(&PostParams::default(), &ns)
+        .await
+        .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
+    name
+}
+
+/// Deletes a test namespace. Pods are force-deleted until it is gone: no kubelet confirms
+/// their end on fake nodes, which would leave the namespace terminating forever.
+async fn drop_namespace(client: &Client, name: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), name);
+    let force = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    let api: Api<Namespace> = Api::all(client.clone());
+    let _ = api.delete(name, &DeleteParams::default()).await;
+    for _ in 0..60 {
+        let _ = pods.delete_collection(&force, &ListParams::default()).await;
+        if matches!(api.get_opt(name).await, Ok(None)) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("namespace {name} is still terminating");
+}
+
+fn samples(dir: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = std::fs::read_dir(repo(dir))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read_to_string(&p).unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn crds_accept_the_samples_and_refuse_the_invalid_ones_with_their_message() {
+    let Some(client) = cluster("crds_accept_the_samples").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-samples").await;
+    let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    for (file, text) in samples("config/samples") {
+        let obj: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        api.create(&dry, &obj)
+            .await
+            .unwrap_or_else(|e| panic!("sample {file} refused: {e}"));
+    }
+    for (file, text) in samples("config/samples/invalid") {
+        let expect = dspark_operator::crds::expected_message(&text).unwrap();
+        let obj: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        match api.create(&dry, &obj).await {
+            Ok(_) => panic!("invalid sample {file} was accepted"),
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{file}: {e}");
+                assert!(
+                    e.message.contains(&expect),
+                    "{file}: expected '{expect}' in '{}'",
+                    e.message
+                );
+            }
+            Err(e) => panic!("{file}: {e}"),
+        }
+    }
+    drop_namespace(&client, &ns).await;
+}
+
+fn table_json(node_type: &str) -> String {
+    format!(
+        r#"{{"schema":1,"model_id":"smollm2","engine_version":"0.1.0","device":"NVIDIA A100","node_type":"{node_type}","dtype":"q4_1","measured_at":"2026-11-29T09:00:00Z","points":[[1,138.0],[2,74.0],[4,56.0],[8,37.5],[16,23.0]]}}"#
+    )
+}
+
+/// Plays the kubelet for a profiling pod: marks its container terminated with `message`.
+async fn finish_profiling_pod(client: &Client, ns: &str, job: &str, message: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod = wait_for(&format!("pod of Job {job}"), || {
+        let pods = pods.clone();
+        async move {
+            pods.list(&ListParams::default().labels(&format!("job-name={job}")))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .next()
+        }
+    })
+    .await;
+    let status = serde_json::json!({
+        "status": {
+            "phase": "Succeeded",
+            "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted"}],
+            "containerStatuses": [{
+                "name": "profile",
+                "image": "dspark/engine:0.1.0",
+                "imageID": "",
+                "ready": false,
+                "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed", "message": message,
+                    "startedAt": "2026-11-29T09:00:00Z", "finishedAt": "2026-11-29T09:01:00Z"}}
+            }]
+        }
+    });
+    pods.patch_status(
+        &pod.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&status),
+    )
+    .await
+    .unwrap();
+}
+
+/// Runs the controller for namespace `ns` only, in the background.
+fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), ns);
+    let controller = Controller::new(dsds, watcher::Config::default()).owns(
+        Api::<Deployment>::namespaced(client.clone(), ns),
+        watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")),
+    );
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: MANAGER.into(),
+            instance: Some("it".into()),
+        },
+    );
+    let ctx = std::sync::Arc::new(Context::new(
+        client.clone(),
+        recorder,
+        Default::default(),
+        controller.store(),
+    ));
+    tokio::spawn(
+        controller
+            .run(reconcile, error_policy, ctx)
+            .for_each(|_| async {}),
+    )
+}
+
+#[tokio::test]
+async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
+    let Some(client) = cluster("scale_subresource").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-scale").await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd: DSparkDeployment = serde_yaml::from_str(
+        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-two-pools.yaml")).unwrap(),
+    )
+    .unwrap();
+    dsd.spec.model.pvc = None;
+    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
+    dsd.spec.drafter = None;
+    dsd.spec.autoscaling.metrics_source = Default::default();
+    dsd.spec.autoscaling.prometheus_url = None;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    // The /scale subresource sets the total; the policy spreads it over the pools.
+    let scale = serde_json::json!({ "spec": { "replicas": 5 } });
+    dsds.patch_scale("qwen3-8b", &PatchParams::default(), &Patch::Merge(&scale))
+        .await
+        .unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    wait_for("5 replicas over both pools", || {
+        let d = deployments.clone();
+        async move {
+            let h = d.get("qwen3-8b-h100").await.ok()?.spec.replicas?;
+            let a = d.get("qwen3-8b-a100").await.ok()?.spec.replicas?;
+            (h + a == 5 && h >= 1).then_some(())
+        }
+    })
+    .await;
+    let sc = dsds.get_scale("qwen3-8b").await.unwrap();
+    assert_eq!(sc.spec.unwrap().replicas, Some(5));
+    let selector = wait_for("the scale selector", || {
+        let dsds = dsds.clone();
+        async move { dsds.get_scale("qwen3-8b").await.ok()?.status?.selector }
+    })
+    .await;
+    assert_eq!(selector, "serving.dspark.dev/deployment=qwen3-8b");
+
+    // A profiling pod whose message is not a table: the cost table goes Failed with a retry
+    // time, the condition says why, and no second Job starts before the retry time.
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let ct = wait_for("a profiling Job", || {
+        let cts = cts.clone();
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|c| {
+                    c.spec.node_type == "h100-80gb"
+                        && c.status.as_ref().and_then(|s| s.job.clone()).is_some()
+                })
+        }
+    })
+    .await;
+    let job = ct.status.as_ref().unwrap().job.clone().unwrap();
+    finish_profiling_pod(&client, &ns, &job, "{not a cost table").await;
+    let failed = wait_for("the Failed phase", || {
+        let cts = cts.clone();
+        let name = ct.name_any();
+        async move {
+            let c = cts.get(&name).await.ok()?;
+            (c.status.as_ref()?.phase == CostTablePhase::Failed).then_some(c)
+        }
+    })
+    .await;
+    let st = failed.status.unwrap();
+    assert_eq!(st.failures, 1);
+    assert!(st.retry_after.is_some());
+    assert!(st.message.unwrap().contains("not valid JSON"));
+    wait_for("the ProfilingFailed condition", || {
+        let dsds = dsds.clone();
+        async move {
+            let d = dsds.get("qwen3-8b").await.ok()?;
+            d.status?
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "Profiled" && c.reason == "ProfilingFailed")
+                .then_some(())
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let jobs = Api::<Job>::namespaced(client.clone(), &ns)
+        .list(
+            &ListParams::default()
+                .labels(&format!("serving.dspark.dev/cost-table={}", ct.name_any())),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        jobs.items.len(),
+        1,
+        "a second Job started before the retry time"
+    );
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+#[tokio::test]
+async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
+    let Some(client) = cluster("reconcile_creates_the_pool_objects").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-reconcile").await;
+
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+
+    let text =
+        std::fs::read_to_string(repo("config/samples/dsparkdeployment-smollm2.yaml")).unwrap();
+    let dsd: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let dep = wait_for("engine Deployment", || {
+        let d = deployments.clone();
+        async move { d.get_opt("smollm2-a100").await.ok().flatten() }
+    })
+    .await;
+    let pod = dep.spec.template.spec.unwrap();
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.resources.as_ref().unwrap().limits.as_ref().unwrap()["nvidia.com/gpu"].0,
+        "1"
+    );
+    assert_eq!(
+        pod.node_selector.unwrap()["dspark.dev/node-type"],
+        "a100-80gb"
+    );
+    assert!(!c
+        .args
+        .as_ref()
+        .unwrap()
+        .contains(&"--cost-table".to_string()));
+    let owners = dep.metadata.owner_references.unwrap();
+    assert_eq!(owners[0].kind, "DSparkDeployment");
+
+    for (what, found) in [
+        (
+            "Service",
+            Api::<Service>::namespaced(client.clone(), &ns)
+                .get_opt("smollm2-a100")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "deployment Service",
+            Api::<Service>::namespaced(client.clone(), &ns)
+                .get_opt("smollm2")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "PDB",
+            Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
+                .get_opt("smollm2-a100")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "ConfigMap",
+            Api::<ConfigMap>::namespaced(client.clone(), &ns)
+                .get_opt("smollm2-a100-cost-table")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+        (
+            "Secret",
+            Api::<Secret>::namespaced(client.clone(), &ns)
+                .get_opt("smollm2-admin-token")
+                .await
+                .unwrap()
+                .is_some(),
+        ),
+    ] {
+        assert!(found, "{what} missing");
+    }
+
+    // The profiling Job: pinned to the node type; its table lands in the cost table, the
+    // ConfigMap and the Deployment's args.
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let ct = wait_for("cost table with a Job", || {
+        let cts = cts.clone();
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|c| c.status.as_ref().and_then(|s| s.job.clone()).is_some())
+        }
+    })
+    .await;
+    let job_name = ct.status.as_ref().unwrap().job.clone().unwrap();
+    let job = Api::<Job>::namespaced(client.clone(), &ns)
+        .get(&job_name)
+        .await
+        .unwrap();
+    let jpod = job.spec.unwrap().template.spec.unwrap();
+    assert_eq!(
+        jpod.node_selector.unwrap()["dspark.dev/node-type"],
+        "a100-80gb"
+    );
+    finish_profiling_pod(&client, &ns, &job_name, &table_json("a100-80gb")).await;
+    let ct = wait_for("stored cost table", || {
+        let cts = cts.clone();
+        let name = ct.name_any();
+        async move {
+            let c = cts.get(&name).await.ok()?;
+            (c.status.as_ref()?.phase == CostTablePhase::Ready).then_some(c)
+        }
+    })
+    .await;
+    assert_eq!(ct.status.as_ref().unwrap().revision, 1);
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    wait_for("ConfigMap with the table", || {
+        let cms = cms.clone();
+        async move {
+            let cm = cms.get("smollm2-a100-cost-table").await.ok()?;
+            cm.data?.get("cost-table.json").map(|_| ())
+        }
+    })
+    .await;
+    wait_for("--cost-table in the engine args", || {
+        let d = deployments.clone();
+        async move {
+            let dep = d.get("smollm2-a100").await.ok()?;
+            let args = dep.spec.template.spec?.containers[0].args.clone()?;
+            args.contains(&"--cost-table".to_string()).then_some(())
+        }
+    })
+    .await;
+    let status = wait_for("status with conditions", || {
+        let dsds = dsds.clone();
+        async move {
+            let d = dsds.get("smollm2").await.ok()?;
+            let s = d.status?;
+            s.conditions
+                .iter()
+                .any(|c| c.type_ == "Profiled" && c.status == "True")
+                .then_some(s)
+        }
+    })
+    .await;
+    assert_eq!(
+        status.selector.as_deref(),
+        Some("serving.dspark.dev/deployment=smollm2")
+    );
+    assert_eq!(status.pools[0].cost_table_revision, Some(1));
+
+    // Deleting the DSparkDeployment garbage-collects what it owns.
+    dsds.delete("smollm2", &DeleteParams::background())
+        .await
+        .unwrap();
+    wait_for("garbage collection of the engine Deployment", || {
+        let d = deployments.clone();
+        async move {
+            d.get_opt("smollm2-a100")
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
+        }
+    })
+    .await;
+    wait_for("garbage collection of the cost table", || {
+        let cts = cts.clone();
+        let name = ct.name_any();
+        async move { cts.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+/// A fake engine on a loopback address: `/metrics` on 8000 reports a slow ITL (all inter-token
+/// gaps in (50, 100] ms, counters growing per scrape); the admin API on 8001 records pushes.
+struct FakeEngine {
+    pushes: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+async fn fake_engine(ip: &str) -> FakeEngine {
+    use axum::routing::{get, put};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let scrapes = std::sync::Arc::new(AtomicU64::new(0));
+    let metrics = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let n = scrapes.fetch_add(1, Ordering::Relaxed) + 1;
+            async move {
+                let (tokens, requests) = (100 * n, 10 * n);
+                format!(
+                    "dspark_inter_token_latency_seconds_bucket{{le=\"0.05\"}} 0\n\
+                     dspark_inter_token_latency_seconds_bucket{{le=\"0.1\"}} {tokens}\n\
+                     dspark_inter_token_latency_seconds_bucket{{le=\"+Inf\"}} {tokens}\n\
+                     dspark_inter_token_latency_seconds_count {tokens}\n\
+                     dspark_time_to_first_token_seconds_bucket{{le=\"0.1\"}} {requests}\n\
+                     dspark_time_to_first_token_seconds_bucket{{le=\"+Inf\"}} {requests}\n\
+                     dspark_time_to_first_token_seconds_count {requests}\n\
+                     dspark_e2e_request_latency_seconds_bucket{{le=\"+Inf\"}} {requests}\n\
+                     dspark_e2e_request_latency_seconds_count {requests}\n\
+                     dspark_num_requests_running 4\n\
+                     dspark_num_requests_waiting 0\n"
+                )
+            }
+        }),
+    );
+    let pushes = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = pushes.clone();
+    let admin = axum::Router::new()
+        .route(
+            "/admin/v1/state",
+            get(|| async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "starting") }),
+        )
+        .route(
+            "/admin/v1/cost-table",
+            put(move |headers: axum::http::HeaderMap, body: String| {
+                let seen = seen.clone();
+                async move {
+                    let auth = headers
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string();
+                    seen.lock().unwrap().push((auth, body));
+                    r#"{"revision":1,"digest":"d"}"#
+                }
+            }),
+        );
+    let mut tasks = Vec::new();
+    for (port, app) in [(8000, metrics), (8001, admin)] {
+        let listener = tokio::net::TcpListener::bind((ip, port)).await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        }));
+    }
+    FakeEngine { pushes, tasks }
+}
+
+/// Plays the kubelet for an engine pod: Running and Ready at `ip`.
+async fn make_ready(client: &Client, ns: &str, pod: &str, ip: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let status = serde_json::json!({
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "ContainersReady", "status": "True"}
+            ],
+            "containerStatuses": [{
+                "name": "engine", "image": "dspark/engine:0.1.0", "imageID": "",
+                "ready": true, "restartCount": 0, "started": true,
+                "state": {"running": {"startedAt": "2026-11-29T09:00:00Z"}}
+            }]
+        }
+    });
+    pods.patch_status(pod, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
+    let Some(client) = cluster("ready_pods_get_the_table_pushed").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-autoscale").await;
+    let ip = "127.1.77.1";
+    let engine = fake_engine(ip).await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd: DSparkDeployment = serde_yaml::from_str(
+        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-smollm2.yaml")).unwrap(),
+    )
+    .unwrap();
+    dsd.spec.slo.window_seconds = 4;
+    dsd.spec.autoscaling.period_seconds = 1;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    // Profile first, so that the pods carry --cost-table and the operator has a table to push.
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let job = wait_for("a profiling Job", || {
+        let cts = cts.clone();
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find_map(|c| c.status?.job)
+        }
+    })
+    .await;
+    finish_profiling_pod(&client, &ns, &job, &table_json("a100-80gb")).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = wait_for("an engine pod with --cost-table", || {
+        let pods = pods.clone();
+        async move {
+            pods.list(&ListParams::default().labels("serving.dspark.dev/pool=a100"))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|p| {
+                    p.spec.as_ref().is_some_and(|s| {
+                        s.containers[0]
+                            .args
+                            .as_ref()
+                            .is_some_and(|a| a.contains(&"--cost-table".to_string()))
+                    })
+                })
+        }
+    })
+    .await;
+    make_ready(&client, &ns, &pod.name_any(), ip).await;
+
+    // The table is pushed with the admin token from the Secret.
+    let (auth, body) = wait_for("a cost-table push", || {
+        let pushes = engine.pushes.clone();
+        async move { pushes.lock().unwrap().first().cloned() }
+    })
+    .await;
+    let secret = Api::<Secret>::namespaced(client.clone(), &ns)
+        .get("smollm2-admin-token")
+        .await
+        .unwrap();
+    let token = String::from_utf8(secret.data.unwrap()["token"].0.clone()).unwrap();
+    assert_eq!(auth, format!("Bearer {token}"));
+    let pushed = dspark_types::CostTable::from_json(&body).unwrap();
+    assert_eq!(pushed.node_type.as_deref(), Some("a100-80gb"));
+
+    // p95 ITL ~97 ms against a 50 ms SLO: the pool grows, the status says why.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    wait_for("a scale-up", || {
+        let d = deployments.clone();
+        async move { (d.get("smollm2-a100").await.ok()?.spec.replicas? >= 2).then_some(()) }
+    })
+    .await;
+    let status = wait_for("status with the breach", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("smollm2").await.ok()?.status?;
+            (s.slo_status.as_deref() == Some("Breached") && s.last_scaling_decision.is_some())
+                .then_some(s)
+        }
+    })
+    .await;
+    let decision = status.last_scaling_decision.unwrap();
+    assert!(decision.applied);
+    assert!(decision.to_replicas > decision.from_replicas);
+    assert!(status.pools[0].itl_p95_ms.unwrap() > 50.0);
+    assert!(status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "MetricsAvailable" && c.status == "True"));
+    handle.abort();
+    for t in engine.tasks {
+        t.abort();
+    }
+    drop_namespace(&client, &ns).await;
+}

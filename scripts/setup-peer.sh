@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Build the llama.cpp peer (see docs in /work/shared/peers.md) from the PyPI package
+# llama-cpp-python, entirely into a cache OUTSIDE the repository:
+#
+#   (a) pip-installs llama-cpp-python (Python bindings, used by tests/peer/reference.py),
+#       built from source with -DGGML_NATIVE=ON;
+#   (b) builds llama.cpp's llama-server, llama-bench and llama-batched-bench from the same
+#       version's sdist (vendor/llama.cpp) into $DSPARK_CACHE/llama.cpp/<version>/bin.
+#
+# Nothing from llama.cpp is ever written into the repository.
+#
+# Builds run as ONE detached background job (setsid + nohup, `nice`d, logs under
+# $DSPARK_CACHE/llama.cpp/<version>/logs) so that a caller whose shell is time-limited can
+# return and re-run this script: a re-run attaches to the running job (flock) instead of
+# starting a second one. Already-built pieces are skipped, so a re-run when done is instant.
+#
+# Usage: scripts/setup-peer.sh [--max-wait SECONDS] [--detach]
+#   --max-wait S  stop polling after S seconds (the build keeps going); exit code 3
+#   --detach      start/attach to the build and return at once (same as --max-wait 0)
+# Env:   DSPARK_CACHE (default ~/.cache/dspark), DSPARK_BUILD_JOBS (default: nproc),
+#        LLAMA_CPP_PY_VERSION (default pinned below), PYTHON (default python3)
+set -euo pipefail
+
+V="${LLAMA_CPP_PY_VERSION:-0.3.36}"
+CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
+PY="${PYTHON:-python3}"
+JOBS="${DSPARK_BUILD_JOBS:-$(nproc)}"
+SDIST_DIR="$CACHE/sdist"
+SDIST="$SDIST_DIR/llama_cpp_python-$V.tar.gz"
+PEER="$CACHE/llama.cpp/$V"
+BIN="$PEER/bin"
+SRC="$PEER/src"             # extracted sdist (llama.cpp sources), outside the repo
+BUILD="$PEER/build"
+LOGDIR="$PEER/logs"
+LOCK="$LOGDIR/job.lock"
+JOBLOG="$LOGDIR/job.log"
+RCFILE="$LOGDIR/job.rc"
+TOOLS=(llama-server llama-bench llama-batched-bench)
+
+log() { printf '[setup-peer %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+py_ok() {
+  "$PY" - "$V" <<'EOF' >/dev/null 2>&1
+import sys, llama_cpp
+sys.exit(0 if llama_cpp.__version__ == sys.argv[1] else 1)
+EOF
+}
+
+bins_ok() {
+  local t
+  for t in "${TOOLS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done
+  return 0
+}
+
+fetch_sdist() {
+  if [[ -s "$SDIST" ]] && tar tzf "$SDIST" >/dev/null 2>&1; then return 0; fi
+  log "downloading sdist llama-cpp-python==$V from PyPI"
+  mkdir -p "$SDIST_DIR"
+  local tmp; tmp="$(mktemp -d "$SDIST_DIR/.dl.XXXXXX")"
+  "$PY" -m pip download -q --no-deps --no-binary llama-cpp-python "llama-cpp-python==$V" -d "$tmp"
+  mv -f "$tmp/llama_cpp_python-$V.tar.gz" "$SDIST"
+  rm -rf "$tmp"
+}
+
+# ---------------------------------------------------------------------------------------
+# The background job: runs (a) then (b) sequentially (2 cores: never both at once).
+# ---------------------------------------------------------------------------------------
+job() {
+  exec 9>"$LOCK"
+  flock -n 9 || { log "another build job holds $LOCK; exiting"; exit 0; }
+  rm -f "$RCFILE"
+  trap 'echo $? > "$RCFILE"' EXIT
+  local t0; t0=$(date +%s)
+  fetch_sdist
+
+  if py_ok; then
+    log "(a) llama_cpp $V already importable; skipping pip install"
+  else
+    log "(a) pip install llama-cpp-python==$V from source (GGML_NATIVE=ON, $JOBS jobs)"
+    local ta; ta=$(date +%s)
+    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+      nice -n 10 "$PY" -m pip install -v --no-binary llama-cpp-python "$SDIST"
+    py_ok || { log "(a) FAILED: llama_cpp $V not importable after install"; exit 1; }
+    log "(a) done in $(( $(date +%s) - ta ))s"
+  fi
+
+  if bins_ok; then
+    log "(b) ${TOOLS[*]} already in $BIN; skipping"
+  else
+    local tb; tb=$(date +%s)
+    if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
+      log "(b) extracting $SDIST -> $SRC"
+      rm -rf "$SRC.tmp" && mkdir -p "$SRC.tmp"
+      tar xzf "$SDIST" -C "$SRC.tmp" --strip-components=1
+      rm -rf "$SRC" && mv "$SRC.tmp" "$SRC"
+    fi
+    log "(b) cmake configure"
+    # UI off and no prebuilt-UI download: the build must not reach the network.
+    nice -n 10 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" \
+      -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+      -DBUILD_SHARED_LIBS=OFF
+    log "(b) cmake build ${TOOLS[*]} ($JOBS jobs)"
+    nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TOOLS[@]}"
+    rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
+    for t in "${TOOLS[@]}"; do cp "$BUILD/bin/$t" "$BIN.tmp/$t"; done
+    rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
+    log "(b) done in $(( $(date +%s) - tb ))s"
+  fi
+  log "job finished in $(( $(date +%s) - t0 ))s"
+}
+
+if [[ "${1:-}" == "--job" ]]; then job; exit 0; fi
+
+MAX_WAIT=-1
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --max-wait) MAX_WAIT="$2"; shift 2 ;;
+    --detach) MAX_WAIT=0; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+
+report() {
+  log "llama-cpp-python $V: $("$PY" -c 'import llama_cpp,os;print(os.path.dirname(llama_cpp.__file__))')"
+  for t in "${TOOLS[@]}"; do log "$BIN/$t"; done
+}
+
+if py_ok && bins_ok; then
+  log "peer already set up (llama-cpp-python $V)"
+  report
+  exit 0
+fi
+
+mkdir -p "$LOGDIR"
+if flock -n "$LOCK" true 2>/dev/null; then
+  log "starting background build job; log: $JOBLOG"
+  rm -f "$RCFILE"
+  setsid nohup bash "$0" --job >"$JOBLOG" 2>&1 </dev/null &
+  sleep 2
+else
+  log "a build job is already running; attaching (log: $JOBLOG)"
+fi
+
+start=$(date +%s)
+last=""
+while :; do
+  if [[ -f "$RCFILE" ]] && flock -n "$LOCK" true 2>/dev/null; then
+    rc="$(cat "$RCFILE")"
+    if [[ "$rc" == "0" ]] && py_ok && bins_ok; then
+      grep -E '\] \((a|b)\) done|job finished' "$JOBLOG" | sed 's/^/  /' || true
+      report
+      exit 0
+    fi
+    log "build job FAILED (rc=$rc); last lines of $JOBLOG:"
+    tail -n 40 "$JOBLOG" >&2
+    exit 1
+  fi
+  # Progress: last cmake "[ NN%]" line or our own step lines.
+  cur="$(grep -E '^\[setup-peer|^ *\[ *[0-9]+%\]|^ *\[[0-9]+/[0-9]+\]' "$JOBLOG" 2>/dev/null | tail -n 1 | sed -E 's/^ *//; s/^(\[[0-9]+\/[0-9]+\]) .* -c ([^ ]+)$/\1 compiling \2/' | cut -c1-160 || true)"
+  if [[ "$cur" != "$last" ]]; then log "… $cur"; last="$cur"; fi
+  el=$(( $(date +%s) - start ))
+  if [[ "$MAX_WAIT" -ge 0 && "$el" -ge "$MAX_WAIT" ]]; then
+    log "still building after ${el}s; re-run this script to keep waiting (log: $JOBLOG)"
+    exit 3
+  fi
+  if [[ "$MAX_WAIT" -ge 0 ]]; then sleep $(( MAX_WAIT - el < 15 ? MAX_WAIT - el : 15 )); else sleep 15; fi
+done
