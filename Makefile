@@ -3,6 +3,11 @@
 SHELL := /bin/bash
 DSPARK_CACHE ?= $(HOME)/.cache/dspark
 export DSPARK_CACHE
+# Build outputs are cached outside the repo too, so a fresh clone (CI) reuses them.
+CARGO_TARGET_DIR ?= $(DSPARK_CACHE)/cargo-target
+export CARGO_TARGET_DIR
+DSPARK_ENGINE_BIN ?= $(CARGO_TARGET_DIR)/release/dspark-engine
+export DSPARK_ENGINE_BIN
 MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 8000
 CARGO ?= cargo
@@ -23,8 +28,13 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
+# Unit and integration tests; the operator's cluster tests run against the local control
+# plane (built once from Go modules, cached), which is brought up for them and torn down.
 unit:
-	$(CARGO) test --release --workspace
+	tests/cluster/cluster.sh up
+	set -o pipefail; trap 'tests/cluster/cluster.sh down' EXIT; \
+	  eval "$$(tests/cluster/cluster.sh env)"; \
+	  DSPARK_REQUIRE_CLUSTER=1 $(CARGO) test --release --workspace
 
 python-test:
 	python3 -m pytest -q tests/python

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="$1"; PORT="${2:-8000}"
-BIN=target/release/dspark-engine
+BIN="${DSPARK_ENGINE_BIN:-target/release/dspark-engine}"
 LOG="$(mktemp -t dspark-demo.XXXXXX.log)"
 "$BIN" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
 PID=$!

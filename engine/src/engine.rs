@@ -10,6 +10,7 @@ use crate::kv::KvCache;
 use crate::metrics::{FinishLabel, Metrics, PositionLabel};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
+use crate::spec::dspark::{DSparkDrafter, DraftRequest};
 use crate::spec::{ngram, verify::verify, Proposal, Speculation, VerifyPolicy};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
@@ -103,6 +104,8 @@ pub struct GenRequest {
     pub stop: Vec<String>,
     /// `Some(k)`: report each token's logprob and the k most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
 }
@@ -155,6 +158,8 @@ struct Seq {
     queued_metric_done: bool,
     draft_tokens: usize,
     accepted_tokens: usize,
+    /// Block table of this sequence in the drafter's context cache.
+    draft_blocks: Vec<u32>,
 }
 
 impl Seq {
@@ -174,6 +179,13 @@ pub struct Engine {
     running: Vec<Seq>,
     waiting_count: Arc<AtomicUsize>,
     running_count: Arc<AtomicUsize>,
+    drafter: Option<Drafter>,
+}
+
+/// A model drafter with its own context KV cache (fed with the target's hidden states).
+pub struct Drafter {
+    pub model: DSparkDrafter,
+    pub kv: KvCache,
 }
 
 impl Engine {
@@ -205,9 +217,16 @@ impl Engine {
                 running: Vec::new(),
                 waiting_count: waiting,
                 running_count: running,
+                drafter: None,
             },
             handle,
         )
+    }
+
+    /// Attaches the model drafter used by `parallel` / `dspark-*` speculation.
+    pub fn with_drafter(mut self, drafter: Drafter) -> Self {
+        self.drafter = Some(drafter);
+        self
     }
 
     /// Largest prompt + max_tokens one request may ask for.
@@ -256,6 +275,7 @@ impl Engine {
             queued_metric_done: false,
             draft_tokens: 0,
             accepted_tokens: 0,
+            draft_blocks: Vec::new(),
             req,
         });
     }
@@ -275,6 +295,9 @@ impl Engine {
 
     fn release(&mut self, s: &mut Seq) {
         self.kv.truncate(&mut s.blocks, 0);
+        if let Some(d) = &mut self.drafter {
+            d.kv.truncate(&mut s.draft_blocks, 0);
+        }
         s.cached = 0;
     }
 
@@ -336,16 +359,19 @@ impl Engine {
             dec
         };
         let max_ctx = self.model.max_context();
+        let mut model_drafts = self.draft_with_model(budget, max_ctx)?;
         let mut preempt = Vec::new();
         for i in order {
             if budget == 0 {
                 break;
             }
             let decoding = self.running[i].tokens.len() - self.running[i].cached == 1;
-            let proposal = if decoding {
-                self.propose(i, budget - 1, max_ctx)
-            } else {
+            let proposal = if !decoding {
                 None
+            } else if let Some(p) = model_drafts.remove(&i) {
+                self.trim(i, p, budget - 1, max_ctx)
+            } else {
+                self.propose(i, budget - 1, max_ctx)
             };
             let s = &mut self.running[i];
             let pending = s.tokens.len() - s.cached;
@@ -400,22 +426,33 @@ impl Engine {
         let b: usize = batch.iter().map(|s| s.tokens.len()).sum();
         self.metrics.batch_tokens.observe(b as f64);
         self.metrics.steps.inc();
-        let out = self.model.forward(&batch, &mut self.kv, &[])?;
+        let hidden_layers: Vec<usize> = self
+            .drafter
+            .as_ref()
+            .map(|d| d.model.target_layers().to_vec())
+            .unwrap_or_default();
+        let out = self.model.forward(&batch, &mut self.kv, &hidden_layers)?;
         let logits = if out.logits.dim(0)? > 0 {
             out.logits.to_vec2::<f32>()?
         } else {
             vec![]
         };
         let mut row = 0;
+        let mut hidden_row = 0;
         let mut finished = Vec::new();
         for (pl, sb) in plan.iter().zip(&batch) {
             let i = pl.seq;
             let s = &mut self.running[i];
+            let first_row = hidden_row;
+            hidden_row += sb.tokens.len();
             if s.cached < s.prompt_len {
                 let prompt_part = sb.tokens.len().min(s.prompt_len - s.cached);
                 self.metrics.prompt_tokens.inc_by(prompt_part as u64);
             }
             if sb.num_logits == 0 {
+                if let Some(d) = &mut self.drafter {
+                    feed_drafter(d, s, &out.hidden, first_row, sb.tokens.len())?;
+                }
                 s.cached += sb.tokens.len();
                 continue;
             }
@@ -438,7 +475,14 @@ impl Engine {
             // Keys/values are valid for the fed tokens up to the last accepted draft;
             // rejected positions are rolled back.
             let drafted = pl.proposal.as_ref().map_or(0, |p| p.tokens.len());
-            s.cached += sb.tokens.len() - drafted + accepted;
+            let valid = sb.tokens.len() - drafted + accepted;
+            if let Some(d) = &mut self.drafter {
+                feed_drafter(d, s, &out.hidden, first_row, valid)?;
+            }
+            s.cached += valid;
+            if let Some(d) = &mut self.drafter {
+                d.kv.truncate(&mut s.draft_blocks, s.cached);
+            }
             self.kv.truncate(&mut s.blocks, s.cached);
             if drafted > 0 {
                 s.draft_tokens += drafted;
@@ -474,16 +518,106 @@ impl Engine {
         Ok(())
     }
 
-    /// A draft block for decoding sequence `i`, within `room` extra batch tokens and the
-    /// sequence's remaining token budget.
-    fn propose(&mut self, i: usize, room: usize, max_ctx: usize) -> Option<Proposal> {
+    /// Most draft tokens sequence `i` may verify this step: its remaining token budget
+    /// (the last committed token is always the target's own), the batch room and the
+    /// context.
+    fn draft_cap(&self, i: usize, room: usize, max_ctx: usize) -> usize {
         let s = &self.running[i];
         let remaining = s.req.max_tokens.saturating_sub(s.generated());
-        // The last committed token is always the target's own; drafts only fill the rest.
-        let cap = remaining
+        remaining
             .saturating_sub(1)
             .min(room)
-            .min(max_ctx.saturating_sub(s.tokens.len() + 1));
+            .min(max_ctx.saturating_sub(s.tokens.len() + 1))
+    }
+
+    /// One batched drafter forward for every decoding sequence (model drafters only).
+    fn draft_with_model(
+        &mut self,
+        room: usize,
+        max_ctx: usize,
+    ) -> Result<std::collections::HashMap<usize, Proposal>> {
+        let mut out = std::collections::HashMap::new();
+        if self.drafter.is_none() {
+            return Ok(out);
+        }
+        let block = self
+            .drafter
+            .as_ref()
+            .map_or(0, |d| d.model.config().block_size);
+        let gamma = self.cfg.policy.gamma().min(block);
+        let mut who = Vec::new();
+        for i in 0..self.running.len() {
+            let s = &self.running[i];
+            if s.tokens.len() - s.cached != 1 {
+                continue;
+            }
+            let g = gamma.min(self.draft_cap(i, room.saturating_sub(1), max_ctx));
+            if g > 0 {
+                who.push((i, g));
+            }
+        }
+        let d = self.drafter.as_mut().expect("checked");
+        // Blocks must cover the draft positions; a sequence the drafter cache cannot hold
+        // just decodes without drafting this step.
+        who.retain(|&(i, g)| {
+            let s = &mut self.running[i];
+            d.kv.ensure(&mut s.draft_blocks, s.cached + g)
+        });
+        if who.is_empty() {
+            return Ok(out);
+        }
+        let idx: Vec<usize> = who.iter().map(|w| w.0).collect();
+        let mut seqs: Vec<&mut Seq> = self
+            .running
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| idx.contains(i))
+            .map(|(_, s)| s)
+            .collect();
+        let mut reqs: Vec<DraftRequest> = seqs
+            .iter_mut()
+            .zip(&who)
+            .map(|(s, &(_, g))| DraftRequest {
+                anchor: *s.tokens.last().expect("decoding sequences have tokens"),
+                anchor_pos: s.cached,
+                block_table: &s.draft_blocks,
+                gamma: g,
+                params: &s.req.params,
+                rng: &mut s.rng,
+            })
+            .collect();
+        let blocks = d.model.propose(&mut d.kv, &self.model, &mut reqs)?;
+        for ((i, _), b) in who.into_iter().zip(blocks) {
+            out.insert(
+                i,
+                Proposal {
+                    tokens: b.tokens,
+                    q: b.q,
+                    confidence: b.confidence,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    /// Applies the verify policy to a model drafter's block.
+    fn trim(&self, i: usize, p: Proposal, room: usize, max_ctx: usize) -> Option<Proposal> {
+        let n = self
+            .cfg
+            .policy
+            .verify_len(&p, self.draft_cap(i, room, max_ctx));
+        (n > 0).then(|| Proposal {
+            tokens: p.tokens[..n].to_vec(),
+            q: p.q[..n].to_vec(),
+            confidence: p.confidence[..n].to_vec(),
+        })
+    }
+
+    /// A draft block for decoding sequence `i` from a training-free drafter, within `room`
+    /// extra batch tokens and the sequence's remaining token budget.
+    fn propose(&mut self, i: usize, room: usize, max_ctx: usize) -> Option<Proposal> {
+        let cap = self.draft_cap(i, room, max_ctx);
+        let s = &self.running[i];
         let gamma = self.cfg.policy.gamma().min(cap);
         if gamma == 0 {
             return None;
@@ -498,6 +632,8 @@ impl Engine {
                     tokens,
                 }
             }
+            // Model drafters propose in one batch (draft_with_model); a sequence they
+            // skipped this step decodes plainly.
             Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
                 return None;
             }
@@ -552,7 +688,7 @@ impl Engine {
                     .collect(),
             });
         }
-        let is_eos = tokz.stop_ids.contains(&tok);
+        let is_eos = !s.req.ignore_eos && tokz.stop_ids.contains(&tok);
         let mut reason = None;
         if is_eos {
             reason = Some(FinishReason::Stop);
@@ -610,6 +746,30 @@ impl Engine {
             },
         });
     }
+}
+
+/// Writes the drafter's context features for `n` newly committed positions of `s` (target
+/// hidden-state rows `first_row..first_row + n` of this step).
+fn feed_drafter(
+    d: &mut Drafter,
+    s: &mut Seq,
+    hidden: &[candle_core::Tensor],
+    first_row: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    if !d.kv.ensure(&mut s.draft_blocks, s.cached + n) {
+        anyhow::bail!("the drafter's KV cache is full; raise --kv-cache-mb");
+    }
+    let rows: Vec<candle_core::Tensor> = hidden
+        .iter()
+        .map(|h| h.narrow(0, first_row, n))
+        .collect::<candle_core::Result<_>>()?;
+    d.model
+        .append_context(&mut d.kv, &s.draft_blocks, s.cached, &rows)?;
+    Ok(())
 }
 
 /// One sequence's share of a step.

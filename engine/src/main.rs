@@ -98,9 +98,14 @@ struct ServeArgs {
     /// On SIGTERM, how long in-flight requests may finish before the process exits.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
-    /// Drafter for speculative decoding: none | ngram (prompt lookup).
+    /// Drafter for speculative decoding: none | ngram (prompt lookup) | parallel (DFlash
+    /// baseline) | dspark-markov | dspark-rnn.
     #[arg(long, default_value = "none")]
     speculation: String,
+    /// DSpark drafter checkpoint folder (config.json + model.safetensors). Without it, the
+    /// model drafters start untrained (random weights).
+    #[arg(long)]
+    drafter: Option<PathBuf>,
     /// How many draft tokens each request verifies: fixed (always gamma) | threshold
     /// (the prefix whose survival stays above --threshold).
     #[arg(long, default_value = "fixed")]
@@ -135,11 +140,6 @@ fn serve(a: ServeArgs) -> Result<()> {
             a.speculation
         )
     })?;
-    anyhow::ensure!(
-        matches!(speculation, Speculation::None | Speculation::Ngram),
-        "--speculation {} needs a trained drafter, which this build does not ship yet; use ngram or none",
-        speculation.name()
-    );
     anyhow::ensure!(a.gamma >= 1, "--gamma must be at least 1");
     let policy = match a.policy.as_str() {
         "fixed" => VerifyPolicy::Fixed { gamma: a.gamma },
@@ -165,6 +165,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             policy,
         },
         show_progress: true,
+        drafter: a.drafter.clone(),
     })?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -88,6 +88,62 @@ pub struct AppOptions {
     pub max_model_len: Option<usize>,
     pub engine: crate::engine::EngineConfig,
     pub show_progress: bool,
+    /// DSpark drafter checkpoint folder for `parallel` / `dspark-*` speculation; without
+    /// one, an untrained (random) drafter of the right head type is built.
+    pub drafter: Option<std::path::PathBuf>,
+}
+
+/// Builds the model drafter that `speculation` needs, if any.
+pub fn build_drafter(
+    speculation: crate::spec::Speculation,
+    path: Option<&Path>,
+    gamma: usize,
+    model: &Model,
+    target_kv_tokens: usize,
+    block_size: usize,
+) -> Result<Option<crate::engine::Drafter>> {
+    use crate::spec::dspark::{DSparkDrafter, HeadKind};
+    use crate::spec::Speculation;
+    let head = match speculation {
+        Speculation::None | Speculation::Ngram => return Ok(None),
+        Speculation::Parallel => HeadKind::Parallel,
+        Speculation::DSparkMarkov => HeadKind::Markov,
+        Speculation::DSparkRnn => HeadKind::Rnn,
+    };
+    let drafter = match path {
+        Some(p) => {
+            let d = DSparkDrafter::load(p, model)?;
+            if d.config().markov_head_type != head {
+                anyhow::bail!(
+                    "{}: drafter head is {:?} but --speculation {} needs {:?}",
+                    p.display(),
+                    d.config().markov_head_type,
+                    speculation.name(),
+                    head
+                );
+            }
+            d
+        }
+        None => {
+            tracing::warn!(
+                "--speculation {} without --drafter: using an UNTRAINED random drafter (lossless, but it will rarely be accepted)",
+                speculation.name()
+            );
+            let cfg = DSparkDrafter::default_config(model, head, gamma.max(1));
+            DSparkDrafter::random(model, cfg, 0)?
+        }
+    };
+    let c = drafter.config();
+    let per_token = crate::kv::KvCache::bytes_per_token(
+        c.num_hidden_layers,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let kv = drafter.new_cache(
+        per_token * (target_kv_tokens + 64 * block_size),
+        block_size,
+        &model.device,
+    )?;
+    Ok(Some(crate::engine::Drafter { model: drafter, kv }))
 }
 
 /// Loads the model, starts the engine thread and returns the HTTP state plus a one-line
@@ -133,10 +189,21 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         kv.total_blocks(),
         max_seq,
     );
+    let drafter = build_drafter(
+        opts.engine.speculation,
+        opts.drafter.as_deref(),
+        opts.engine.policy.gamma(),
+        &model,
+        kv.capacity_tokens(),
+        opts.kv_block_size,
+    )?;
     let model = Arc::new(model);
     let tok = Arc::new(tok);
-    let (engine, handle) =
+    let (mut engine, handle) =
         Engine::new(model, tok.clone(), kv, opts.engine.clone(), metrics.clone());
+    if let Some(d) = drafter {
+        engine = engine.with_drafter(d);
+    }
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || engine.run())?;

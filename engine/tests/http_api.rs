@@ -24,6 +24,7 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         max_model_len: Some(2048),
         engine,
         show_progress: false,
+        drafter: None,
     })
     .expect("engine starts");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -416,4 +417,67 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
         .contains("queue is full"));
     assert_eq!(h1.join().unwrap(), 200);
     assert_eq!(h2.join().unwrap(), 200);
+}
+
+#[test]
+fn speculative_engines_stream_the_same_greedy_text_over_http() {
+    use dspark_engine::spec::{Speculation, VerifyPolicy};
+    let plain = server();
+    let body = |stream: bool| {
+        chat(
+            "Repeat after me: one two three, one two three, one two three.",
+            json!({"max_tokens": 20, "temperature": 0, "stream": stream, "stream_options": {"include_usage": true}}),
+        )
+    };
+    let (_, reference) = post(&plain.base, "/v1/chat/completions", body(false));
+    let expected = reference["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for speculation in [Speculation::Ngram, Speculation::DSparkMarkov] {
+        let s = spawn(
+            EngineConfig {
+                speculation,
+                policy: VerifyPolicy::Fixed { gamma: 4 },
+                ..Default::default()
+            },
+            64,
+        );
+        let frames = sse(&s.base, "/v1/chat/completions", body(true));
+        assert_eq!(frames.last().unwrap(), "[DONE]");
+        let mut text = String::new();
+        let mut usage = Value::Null;
+        for f in &frames[..frames.len() - 1] {
+            let v: Value = serde_json::from_str(f).unwrap();
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(c);
+            }
+            if !v["usage"].is_null() {
+                usage = v["usage"].clone();
+            }
+        }
+        assert_eq!(
+            text, expected,
+            "{speculation:?} streamed different greedy text"
+        );
+        assert_eq!(usage["completion_tokens"], 20);
+        assert!(
+            usage["draft_tokens"].as_u64().unwrap() > 0,
+            "{speculation:?} never drafted: {usage}"
+        );
+        let r: Value = client()
+            .get(format!("{}/ready", s.base))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        assert_eq!(r["speculation"], speculation.name());
+        let m = client()
+            .get(format!("{}/metrics", s.base))
+            .send()
+            .unwrap()
+            .text()
+            .unwrap();
+        assert!(metric(&m, "dspark_spec_decode_num_draft_tokens_total") > 0.0);
+    }
 }

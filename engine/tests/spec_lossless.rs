@@ -8,7 +8,10 @@ use dspark_engine::engine::{EngineConfig, Event, GenRequest};
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::spec::{Speculation, VerifyPolicy};
+use std::sync::OnceLock;
 use std::time::Instant;
+
+const MAX_TOKENS: usize = 16;
 
 fn prompts() -> Vec<String> {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/peer/prompts.jsonl");
@@ -50,6 +53,7 @@ fn run(
             ..Default::default()
         },
         show_progress: false,
+        drafter: None,
     })
     .unwrap();
     let mut rxs = Vec::new();
@@ -67,6 +71,7 @@ fn run(
                 max_tokens,
                 stop: vec![],
                 logprobs: None,
+                ignore_eos: false,
                 events: tx,
                 arrived: Instant::now(),
             })
@@ -97,13 +102,16 @@ fn run(
 fn check(speculation: Speculation, gammas: &[usize]) {
     let prompts = prompts();
     assert!(prompts.len() >= 50, "only {} prompts", prompts.len());
-    let max_tokens = 40;
-    let plain = run(
-        Speculation::None,
-        VerifyPolicy::Fixed { gamma: 1 },
-        &prompts,
-        max_tokens,
-    );
+    let max_tokens = MAX_TOKENS;
+    static PLAIN: OnceLock<Vec<(String, usize, usize, usize)>> = OnceLock::new();
+    let plain = PLAIN.get_or_init(|| {
+        run(
+            Speculation::None,
+            VerifyPolicy::Fixed { gamma: 1 },
+            &prompts,
+            max_tokens,
+        )
+    });
     for &gamma in gammas {
         let spec = run(
             speculation,
@@ -135,4 +143,19 @@ fn check(speculation: Speculation, gammas: &[usize]) {
 #[test]
 fn ngram_greedy_is_lossless() {
     check(Speculation::Ngram, &[1, 4, 7, 16]);
+}
+
+#[test]
+fn parallel_drafter_greedy_is_lossless() {
+    check(Speculation::Parallel, &[1, 4, 7, 16]);
+}
+
+#[test]
+fn dspark_markov_greedy_is_lossless() {
+    check(Speculation::DSparkMarkov, &[1, 4, 7, 16]);
+}
+
+#[test]
+fn dspark_rnn_greedy_is_lossless() {
+    check(Speculation::DSparkRnn, &[1, 4, 7, 16]);
 }

@@ -21,12 +21,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def engine_url():
-    binary = ROOT / "target" / "release" / "dspark-engine"
+    binary = Path(os.environ.get("DSPARK_ENGINE_BIN", ROOT / "target" / "release" / "dspark-engine"))
     model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert binary.exists(), f"{binary} missing: run `cargo build --release` (make test does)"
     assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
     port = _free_port()
-    log = open(ROOT / "target" / "python-engine.log", "w")
+    log_path = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / "dspark-python-engine.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
          "--served-model-name", "smollm2", "--kv-cache-mb", "128", "--max-model-len", "2048"],
@@ -36,7 +37,7 @@ def engine_url():
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with {proc.returncode}; see target/python-engine.log")
+            raise RuntimeError(f"engine exited with {proc.returncode}; see {log_path}")
         try:
             with urllib.request.urlopen(url + "/ready", timeout=1) as r:
                 if r.status == 200:

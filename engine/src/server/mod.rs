@@ -175,6 +175,7 @@ fn submit(st: &Arc<AppState>, p: &Prepared) -> Result<UnboundedReceiver<Event>, 
             max_tokens: p.max_tokens,
             stop: p.v.stop.clone(),
             logprobs: p.logprobs,
+            ignore_eos: p.v.ignore_eos,
             events: tx,
             arrived: Instant::now(),
         })

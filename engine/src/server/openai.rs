@@ -63,6 +63,9 @@ pub struct CommonParams {
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -91,6 +94,7 @@ pub struct Validated {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    pub ignore_eos: bool,
 }
 
 pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
@@ -169,6 +173,7 @@ pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
         stop,
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        ignore_eos: c.ignore_eos,
     })
 }
 
