@@ -34,7 +34,7 @@ unit:
 	tests/cluster/cluster.sh up
 	set -o pipefail; trap 'tests/cluster/cluster.sh down' EXIT; \
 	  eval "$$(tests/cluster/cluster.sh env)"; \
-	  DSPARK_REQUIRE_CLUSTER=1 $(CARGO) test --release --workspace
+	  DSPARK_REQUIRE_CLUSTER=1 $(CARGO) test --release --workspace --no-fail-fast
 
 python-test:
 	python3 -m pytest -q tests/python

@@ -97,7 +97,7 @@ fn chat_streaming_equals_non_streaming_greedy() {
         "/v1/chat/completions",
         chat(
             "Name three colors.",
-            json!({"max_tokens": 24, "temperature": 0}),
+            json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true}),
         ),
     );
     assert_eq!(code, 200, "{full}");
@@ -113,7 +113,7 @@ fn chat_streaming_equals_non_streaming_greedy() {
         "/v1/chat/completions",
         chat(
             "Name three colors.",
-            json!({"max_tokens": 24, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}),
+            json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
         ),
     );
     assert_eq!(frames.last().unwrap(), "[DONE]");
@@ -362,9 +362,10 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     {
         let mut r = client()
             .post(format!("{}/v1/completions", s.base))
-            .json(&json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1500, "stream": true, "temperature": 0.8}))
+            .json(&json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1000, "stream": true, "temperature": 0.8, "ignore_eos": true}))
             .send()
             .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
         let mut buf = [0u8; 64];
         use std::io::Read;
         r.read_exact(&mut buf).unwrap();
@@ -394,7 +395,7 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     }
     assert!(freed, "KV blocks of a disconnected client were not freed");
     // One running + one waiting fill the engine; the next request is refused with 429.
-    let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.8});
+    let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.8, "ignore_eos": true});
     let b1 = s.base.clone();
     let l1 = long.clone();
     let h1 = std::thread::spawn(move || post(&b1, "/v1/completions", l1).0);
@@ -426,7 +427,7 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
     let body = |stream: bool| {
         chat(
             "Repeat after me: one two three, one two three, one two three.",
-            json!({"max_tokens": 20, "temperature": 0, "stream": stream, "stream_options": {"include_usage": true}}),
+            json!({"max_tokens": 20, "temperature": 0, "ignore_eos": true, "stream": stream, "stream_options": {"include_usage": true}}),
         )
     };
     let (_, reference) = post(&plain.base, "/v1/chat/completions", body(false));

@@ -20,6 +20,7 @@ def test_chat_non_streaming(client):
         messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=12,
         temperature=0,
+        extra_body={"ignore_eos": True},
     )
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content
@@ -33,6 +34,7 @@ def test_chat_streaming_matches_non_streaming(client):
         messages=[{"role": "user", "content": "List two fruits."}],
         max_tokens=16,
         temperature=0,
+        extra_body={"ignore_eos": True},
     )
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
@@ -51,12 +53,14 @@ def test_chat_streaming_matches_non_streaming(client):
 
 
 def test_completions_streaming_and_not(client):
-    r = client.completions.create(model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0)
+    r = client.completions.create(model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
     text = r.choices[0].text
     assert r.usage.completion_tokens == 8
     streamed = "".join(
         c.choices[0].text for c in client.completions.create(
-            model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0, stream=True)
+            model="smollm2", prompt="def square(x):", max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
         if c.choices
     )
     assert streamed == text

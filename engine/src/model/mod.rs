@@ -75,7 +75,8 @@ pub struct Model {
     max_rope: usize,
 }
 
-fn rope_table(theta: f64, hd: usize, max_pos: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+/// RoPE cos/sin tables `[max_pos, hd / 2]` (half-split layout), shared with the drafter.
+pub fn rope_table(theta: f64, hd: usize, max_pos: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
     let inv: Vec<f32> = (0..hd / 2)
         .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64) as f32)
         .collect();

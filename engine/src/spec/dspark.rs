@@ -393,18 +393,6 @@ fn select_rows(m: &QMatMul, rows: &[u32]) -> Result<QMatMul> {
     })
 }
 
-fn rope_table(theta: f64, hd: usize, max_pos: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let inv: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / hd as f64) as f32)
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, hd / 2), dev)?;
-    let pos = Tensor::arange(0u32, max_pos as u32, dev)?
-        .to_dtype(DType::F32)?
-        .reshape((max_pos, 1))?;
-    let f = pos.broadcast_mul(&inv)?;
-    Ok((f.cos()?, f.sin()?))
-}
-
 /// Half-split RoPE on `[T, heads, head_dim]` with per-row `cos`/`sin` `[T, head_dim / 2]`.
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?)
@@ -582,7 +570,7 @@ impl DSparkDrafter {
             .map(|v| select_rows(&target.weights.lm_head, v))
             .transpose()?;
         let (rope_cos, rope_sin) =
-            rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
+            crate::model::rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
         Ok(Self {
             fc: lin("fc.weight"),
             hidden_norm: p("hidden_norm.weight"),
