@@ -23,7 +23,7 @@ fn prompts() -> Vec<String> {
         .collect();
     let he = common::cache_dir().join("data/HumanEval.jsonl");
     let he = std::fs::read_to_string(&he).expect("HumanEval.jsonl: run scripts/fetch-models.sh");
-    for l in he.lines().skip(100).take(20) {
+    for l in he.lines().skip(100).take(10) {
         let v: serde_json::Value = serde_json::from_str(l).unwrap();
         out.push(v["prompt"].as_str().unwrap().to_string());
     }
