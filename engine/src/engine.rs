@@ -6,17 +6,18 @@
 //! A sequence whose client went away is dropped (and its KV blocks freed) at the next step.
 //! When the cache runs out of blocks, the youngest sequence is preempted and recomputed later.
 
+use crate::cost::CostTables;
 use crate::kv::KvCache;
 use crate::metrics::{FinishLabel, Metrics, PositionLabel};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
 use crate::spec::dspark::{DSparkDrafter, DraftRequest};
-use crate::spec::{ngram, verify::verify, Proposal, Speculation, VerifyPolicy};
+use crate::spec::{ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -180,6 +181,10 @@ pub struct Engine {
     waiting_count: Arc<AtomicUsize>,
     running_count: Arc<AtomicUsize>,
     drafter: Option<Drafter>,
+    /// The SPS(B) table the scheduler reads (one snapshot per step).
+    costs: Arc<CostTables>,
+    /// Live per-position acceptance, the confidences of drafters without a confidence head.
+    acceptance: AcceptanceStats,
 }
 
 /// A model drafter with its own context KV cache (fed with the target's hidden states).
@@ -195,6 +200,7 @@ impl Engine {
         kv: KvCache,
         cfg: EngineConfig,
         metrics: Arc<Metrics>,
+        costs: Arc<CostTables>,
     ) -> (Self, EngineHandle) {
         let (tx, rx) = std::sync::mpsc::channel();
         let waiting = Arc::new(AtomicUsize::new(0));
@@ -218,6 +224,8 @@ impl Engine {
                 waiting_count: waiting,
                 running_count: running,
                 drafter: None,
+                costs,
+                acceptance: AcceptanceStats::new(64, 200.0),
             },
             handle,
         )
@@ -359,20 +367,41 @@ impl Engine {
             dec
         };
         let max_ctx = self.model.max_context();
-        let mut model_drafts = self.draft_with_model(budget, max_ctx)?;
+        let decoding: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|&i| self.running[i].tokens.len() - self.running[i].cached == 1)
+            .collect();
+        let prefill_demand: usize = order[decoding.len()..]
+            .iter()
+            .map(|&i| {
+                let s = &self.running[i];
+                (s.tokens.len() - s.cached).min(self.cfg.prefill_chunk.max(1))
+            })
+            .sum();
+        // Draft tokens compete with prefill for the batch; decoding goes first.
+        let room = budget.saturating_sub(decoding.len());
+        let mut proposals = self.draft_with_model(room + 1, max_ctx)?;
+        for &i in &decoding {
+            if let std::collections::hash_map::Entry::Vacant(v) = proposals.entry(i) {
+                if let Some(p) = self.propose(i, room, max_ctx) {
+                    v.insert(p);
+                }
+            }
+        }
+        let mut proposals = self.plan_verify(&decoding, proposals, room, prefill_demand, max_ctx);
         let mut preempt = Vec::new();
         for i in order {
             if budget == 0 {
                 break;
             }
             let decoding = self.running[i].tokens.len() - self.running[i].cached == 1;
-            let proposal = if !decoding {
-                None
-            } else if let Some(p) = model_drafts.remove(&i) {
-                self.trim(i, p, budget - 1, max_ctx)
+            let proposal = if decoding {
+                proposals.remove(&i).map(|p| p.truncated(budget - 1))
             } else {
-                self.propose(i, budget - 1, max_ctx)
-            };
+                None
+            }
+            .filter(|p| !p.tokens.is_empty());
             let s = &mut self.running[i];
             let pending = s.tokens.len() - s.cached;
             let draft_len = proposal.as_ref().map_or(0, |p| p.tokens.len());
@@ -390,6 +419,7 @@ impl Engine {
                 seq: i,
                 chunk,
                 proposal,
+                decoding,
             });
         }
         if plan.is_empty() && !preempt.is_empty() {
@@ -484,7 +514,11 @@ impl Engine {
                 d.kv.truncate(&mut s.draft_blocks, s.cached);
             }
             self.kv.truncate(&mut s.blocks, s.cached);
+            if pl.decoding && self.cfg.speculation != Speculation::None {
+                self.metrics.committed_tokens.inc_by(commit.len() as u64);
+            }
             if drafted > 0 {
+                self.acceptance.record(drafted, accepted);
                 s.draft_tokens += drafted;
                 s.accepted_tokens += accepted;
                 self.metrics.spec_drafts.inc();
@@ -535,8 +569,8 @@ impl Engine {
         &mut self,
         room: usize,
         max_ctx: usize,
-    ) -> Result<std::collections::HashMap<usize, Proposal>> {
-        let mut out = std::collections::HashMap::new();
+    ) -> Result<HashMap<usize, Proposal>> {
+        let mut out = HashMap::new();
         if self.drafter.is_none() {
             return Ok(out);
         }
@@ -600,21 +634,52 @@ impl Engine {
         Ok(out)
     }
 
-    /// Applies the verify policy to a model drafter's block.
-    fn trim(&self, i: usize, p: Proposal, room: usize, max_ctx: usize) -> Option<Proposal> {
-        let n = self
+    /// Chooses every decoding request's verify length with the policy (the scheduler sees
+    /// all of them at once, the step's prefill tokens and the cost table in force) and cuts
+    /// the proposals to those lengths.
+    fn plan_verify(
+        &mut self,
+        decoding: &[usize],
+        mut proposals: HashMap<usize, Proposal>,
+        room: usize,
+        prefill_demand: usize,
+        max_ctx: usize,
+    ) -> HashMap<usize, Proposal> {
+        if self.cfg.speculation == Speculation::None || decoding.is_empty() {
+            return HashMap::new();
+        }
+        let caps: Vec<usize> = decoding
+            .iter()
+            .map(|&i| self.draft_cap(i, room, max_ctx))
+            .collect();
+        let props: Vec<Option<&Proposal>> = decoding.iter().map(|i| proposals.get(i)).collect();
+        let base_b = decoding.len() + prefill_demand.min(room);
+        let table = self.costs.current();
+        let vp = self
             .cfg
             .policy
-            .verify_len(&p, self.draft_cap(i, room, max_ctx));
-        (n > 0).then(|| Proposal {
-            tokens: p.tokens[..n].to_vec(),
-            q: p.q[..n].to_vec(),
-            confidence: p.confidence[..n].to_vec(),
-        })
+            .plan(&props, &caps, base_b, self.cfg.max_batch_tokens, &|b| {
+                table.sps(b)
+            });
+        self.metrics.expected_tokens.inc_by(vp.expected_tau);
+        if let Some(t) = vp.theta {
+            self.metrics.theta.set(t);
+        }
+        let mut out = HashMap::new();
+        for (&i, &l) in decoding.iter().zip(&vp.lens) {
+            self.metrics.verify_len.observe(l as f64);
+            if let Some(p) = proposals.remove(&i) {
+                if l > 0 {
+                    out.insert(i, p.truncated(l));
+                }
+            }
+        }
+        out
     }
 
     /// A draft block for decoding sequence `i` from a training-free drafter, within `room`
-    /// extra batch tokens and the sequence's remaining token budget.
+    /// extra batch tokens and the sequence's remaining token budget. Its confidences are the
+    /// live per-position acceptance rates.
     fn propose(&mut self, i: usize, room: usize, max_ctx: usize) -> Option<Proposal> {
         let cap = self.draft_cap(i, room, max_ctx);
         let s = &self.running[i];
@@ -622,31 +687,22 @@ impl Engine {
         if gamma == 0 {
             return None;
         }
-        let p = match self.cfg.speculation {
-            Speculation::None => return None,
+        match self.cfg.speculation {
             Speculation::Ngram => {
                 let tokens = ngram::propose(&s.tokens, gamma, 1, 3);
-                Proposal {
+                (!tokens.is_empty()).then(|| Proposal {
                     q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
-                    confidence: vec![1.0; tokens.len()],
+                    confidence: (0..tokens.len()).map(|k| self.acceptance.rate(k)).collect(),
                     tokens,
-                }
+                })
             }
             // Model drafters propose in one batch (draft_with_model); a sequence they
             // skipped this step decodes plainly.
-            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
-                return None;
-            }
-        };
-        let n = self.cfg.policy.verify_len(&p, cap);
-        if n == 0 {
-            return None;
+            Speculation::None
+            | Speculation::Parallel
+            | Speculation::DSparkMarkov
+            | Speculation::DSparkRnn => None,
         }
-        Some(Proposal {
-            tokens: p.tokens[..n].to_vec(),
-            q: p.q[..n].to_vec(),
-            confidence: p.confidence[..n].to_vec(),
-        })
     }
 
     /// Appends a sampled token, streams what became final, and says whether the sequence
@@ -778,6 +834,8 @@ struct Planned {
     /// Tokens fed this step: a prefill chunk, or the pending token plus the draft block.
     chunk: usize,
     proposal: Option<Proposal>,
+    /// A decoding sequence (its verify length was planned), not a prefill chunk.
+    decoding: bool,
 }
 
 fn max_len(stops: &[String]) -> usize {

@@ -8,6 +8,7 @@
 //! knows about Kubernetes.
 
 pub mod chat;
+pub mod cost;
 pub mod engine;
 pub mod kv;
 pub mod metrics;

@@ -107,15 +107,26 @@ struct ServeArgs {
     #[arg(long)]
     drafter: Option<PathBuf>,
     /// How many draft tokens each request verifies: fixed (always gamma) | threshold
-    /// (the prefix whose survival stays above --threshold).
-    #[arg(long, default_value = "fixed")]
+    /// (the prefix whose survival stays above --threshold) | dspark (the load-aware
+    /// scheduler maximising tau * SPS(B) with the cost table).
+    #[arg(long, env = "DSPARK_POLICY", default_value = "fixed")]
     policy: String,
-    /// Draft block size.
-    #[arg(long, default_value_t = 4)]
+    /// Draft block size (the longest block the scheduler may verify).
+    #[arg(long, env = "DSPARK_GAMMA", default_value_t = 4)]
     gamma: usize,
     /// Survival threshold of the threshold policy.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, env = "DSPARK_THRESHOLD", default_value_t = 0.5)]
     threshold: f32,
+    /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.
+    /// Without one the built-in conservative default is used until one is pushed.
+    #[arg(long, env = "DSPARK_COST_TABLE")]
+    cost_table: Option<PathBuf>,
+    /// Port of the admin API (cost-table push, state), on --host; needs a token.
+    #[arg(long)]
+    admin_port: Option<u16>,
+    /// File holding the admin API's bearer token (else the DSPARK_ADMIN_TOKEN variable).
+    #[arg(long)]
+    admin_token_file: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -147,7 +158,26 @@ fn serve(a: ServeArgs) -> Result<()> {
             gamma: a.gamma,
             threshold: a.threshold,
         },
-        other => anyhow::bail!("unknown --policy '{other}'; use fixed or threshold"),
+        "dspark" => VerifyPolicy::Dspark { gamma: a.gamma },
+        other => anyhow::bail!("unknown --policy '{other}'; use fixed, threshold or dspark"),
+    };
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&a.threshold),
+        "--threshold must be in [0, 1], got {}",
+        a.threshold
+    );
+    let admin_token = match (a.admin_port, &a.admin_token_file) {
+        (None, _) => None,
+        (Some(_), Some(f)) => Some(dspark_engine::server::admin::read_token(f)?),
+        (Some(_), None) => Some(
+            std::env::var("DSPARK_ADMIN_TOKEN")
+                .ok()
+                .filter(|t| !t.trim().is_empty())
+                .map(|t| t.trim().to_string())
+                .context(
+                    "--admin-port needs a token: --admin-token-file FILE or DSPARK_ADMIN_TOKEN",
+                )?,
+        ),
     };
     let (state, summary) = runtime::start(&AppOptions {
         model: a.model.clone(),
@@ -166,6 +196,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         },
         show_progress: true,
         drafter: a.drafter.clone(),
+        cost_table: a.cost_table.clone(),
     })?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -176,7 +207,23 @@ fn serve(a: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        println!("{summary} | http://{addr}");
+        let mut admin_note = String::new();
+        if let (Some(port), Some(token)) = (a.admin_port, admin_token) {
+            let admin_addr = format!("{}:{port}", a.host);
+            let l = tokio::net::TcpListener::bind(&admin_addr)
+                .await
+                .with_context(|| format!("cannot listen on {admin_addr} (admin API)"))?;
+            let admin = dspark_engine::server::admin::router(state.clone(), token);
+            tokio::spawn(async move { axum::serve(l, admin).await });
+            admin_note = format!(" | admin http://{admin_addr}");
+        }
+        let ct = state.costs.current();
+        println!(
+            "{summary} | policy {} | cost table {} rev {} | http://{addr}{admin_note}",
+            state.policy,
+            dspark_engine::cost::source_name(ct.source),
+            ct.revision
+        );
         let app = router(state.clone());
         let server = tokio::spawn(async move { axum::serve(listener, app).await });
         shutdown_signal().await;

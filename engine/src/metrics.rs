@@ -19,6 +19,11 @@ pub struct PositionLabel {
     pub position: u32,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    pub source: String,
+}
+
 pub struct Metrics {
     registry: Registry,
     pub ttft: Histogram,
@@ -39,6 +44,18 @@ pub struct Metrics {
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
     pub spec_accepted_per_pos: Family<PositionLabel, Counter>,
+    /// Verify length chosen per request per step (0 = plain decode for a drafting request).
+    pub verify_len: Histogram,
+    /// Scheduler's expected committed tokens, summed over steps (compare with committed).
+    pub expected_tokens: Counter<f64, AtomicU64>,
+    /// Tokens committed by the requests the policy planned (the realised side of tau).
+    pub committed_tokens: Counter,
+    /// `tau * SPS(B)` of the last scheduled step (expected tokens per second).
+    pub theta: Gauge<f64, AtomicU64>,
+    pub cost_table_revision: Gauge,
+    /// 1 for the source of the table in force, 0 for the others.
+    pub cost_table_source: Family<SourceLabel, Gauge>,
+    pub cost_table_refusals: Counter,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -78,6 +95,13 @@ impl Metrics {
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
             spec_accepted_per_pos: Family::default(),
+            verify_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0]),
+            expected_tokens: Counter::default(),
+            committed_tokens: Counter::default(),
+            theta: Gauge::default(),
+            cost_table_revision: Gauge::default(),
+            cost_table_source: Family::default(),
+            cost_table_refusals: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -170,6 +194,41 @@ impl Metrics {
             "dspark_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted per position",
             m.spec_accepted_per_pos.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_verify_length",
+            "Draft tokens sent to verification per request per step",
+            m.verify_len.clone(),
+        );
+        r.register(
+            "dspark_scheduler_expected_tokens",
+            "Expected committed tokens (tau) of planned steps, from calibrated confidences",
+            m.expected_tokens.clone(),
+        );
+        r.register(
+            "dspark_scheduler_committed_tokens",
+            "Tokens actually committed by planned steps (realised tau)",
+            m.committed_tokens.clone(),
+        );
+        r.register(
+            "dspark_scheduler_theta",
+            "tau * SPS(B) of the last scheduled step",
+            m.theta.clone(),
+        );
+        r.register(
+            "dspark_cost_table_revision",
+            "Revision of the SPS(B) cost table in force (0 = built-in default)",
+            m.cost_table_revision.clone(),
+        );
+        r.register(
+            "dspark_cost_table_source",
+            "1 for where the cost table in force came from (default, file, admin)",
+            m.cost_table_source.clone(),
+        );
+        r.register(
+            "dspark_cost_table_refusals",
+            "Cost tables refused (malformed, non-monotone, incompatible)",
+            m.cost_table_refusals.clone(),
         );
         Metrics { registry, ..m }
     }

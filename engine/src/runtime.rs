@@ -91,6 +91,9 @@ pub struct AppOptions {
     /// DSpark drafter checkpoint folder for `parallel` / `dspark-*` speculation; without
     /// one, an untrained (random) drafter of the right head type is built.
     pub drafter: Option<std::path::PathBuf>,
+    /// SPS(B) cost table file, hot-reloaded; without it the built-in default is used until
+    /// one is pushed over the admin API.
+    pub cost_table: Option<std::path::PathBuf>,
 }
 
 /// Builds the model drafter that `speculation` needs, if any.
@@ -177,6 +180,16 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         &tok.eos_token,
     )?;
     let metrics = Arc::new(crate::metrics::Metrics::new(&model_id));
+    // Cost tables are checked against the model file's id (what `profile` records), not
+    // the served name.
+    let costs = Arc::new(crate::cost::CostTables::new(
+        &model.id,
+        &device_name(&device),
+        Some(metrics.clone()),
+    ));
+    if let Some(p) = &opts.cost_table {
+        costs.watch_file(p, std::time::Duration::from_secs(1))?;
+    }
     let summary = format!(
         "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB = {} tokens in {} blocks | max sequence {} tokens",
         crate::VERSION,
@@ -199,8 +212,14 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     )?;
     let model = Arc::new(model);
     let tok = Arc::new(tok);
-    let (mut engine, handle) =
-        Engine::new(model, tok.clone(), kv, opts.engine.clone(), metrics.clone());
+    let (mut engine, handle) = Engine::new(
+        model.clone(),
+        tok.clone(),
+        kv,
+        opts.engine.clone(),
+        metrics.clone(),
+        costs.clone(),
+    );
     if let Some(d) = drafter {
         engine = engine.with_drafter(d);
     }
@@ -209,6 +228,11 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         .spawn(move || engine.run())?;
     let state = Arc::new(crate::server::AppState {
         model_id,
+        target_model_id: model.id.clone(),
+        device: device_name(&model.device),
+        costs,
+        speculation: opts.engine.speculation.name().to_string(),
+        policy: opts.engine.policy.name().to_string(),
         tok,
         template,
         engine: handle,
@@ -221,8 +245,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             .map(|d| d.as_secs())
             .unwrap_or(0),
         ready_details: std::sync::RwLock::new(serde_json::json!({
-            "speculation": opts.engine.speculation.name(),
-            "policy": format!("{:?}", opts.engine.policy),
+            "gamma": opts.engine.policy.gamma(),
         })),
     });
     Ok((state, summary))

@@ -2,16 +2,12 @@
 
 mod common;
 
+use common::{metric, Server};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
 use serde_json::{json, Value};
 use std::sync::OnceLock;
 use std::time::Duration;
-
-struct Server {
-    base: String,
-    _rt: tokio::runtime::Runtime,
-}
 
 fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
     runtime::init_threads(None);
@@ -25,23 +21,10 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         engine,
         show_progress: false,
         drafter: None,
+        cost_table: None,
     })
     .expect("engine starts");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = dspark_engine::server::router(state);
-    rt.spawn(async move { axum::serve(listener, app).await });
-    Server {
-        base: format!("http://{addr}"),
-        _rt: rt,
-    }
+    common::serve(dspark_engine::server::router(state))
 }
 
 fn server() -> &'static Server {
@@ -334,18 +317,6 @@ fn models_health_ready_metrics() {
     }
     let gen = metric(&text, "dspark_generation_tokens_total");
     assert!(gen >= 3.0, "generation tokens counter is {gen}");
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| {
-            l.starts_with(name)
-                && (l.as_bytes().get(name.len()) == Some(&b' ')
-                    || l.as_bytes().get(name.len()) == Some(&b'{'))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 #[test]

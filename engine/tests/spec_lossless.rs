@@ -54,6 +54,7 @@ fn run(
         },
         show_progress: false,
         drafter: None,
+        cost_table: None,
     })
     .unwrap();
     let mut rxs = Vec::new();

@@ -5,6 +5,7 @@
 //! collect them into one response. Dropping the response (client gone) drops the event
 //! receiver, which the engine notices at its next step and frees the sequence's KV blocks.
 
+pub mod admin;
 pub mod error;
 pub mod openai;
 
@@ -29,7 +30,15 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 pub struct AppState {
+    /// The name clients use (`--served-model-name`, else the model file's id).
     pub model_id: String,
+    /// The model file's id, what cost tables are measured for.
+    pub target_model_id: String,
+    pub device: String,
+    /// The SPS(B) cost table in force (shared with the engine thread).
+    pub costs: Arc<crate::cost::CostTables>,
+    pub speculation: String,
+    pub policy: String,
     pub tok: Arc<TextTokenizer>,
     pub template: ChatTemplate,
     pub engine: EngineHandle,
@@ -62,11 +71,22 @@ fn now_secs() -> u64 {
 }
 
 async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    let ct = st.costs.current();
     let mut body = json!({
         "status": if st.draining.load(Ordering::SeqCst) { "draining" } else { "ready" },
         "model": st.model_id,
+        "speculation": st.speculation,
+        "policy": st.policy,
         "requests_running": st.engine.running.load(Ordering::SeqCst),
         "requests_waiting": st.engine.waiting.load(Ordering::SeqCst),
+        "cost_table": {
+            "source": crate::cost::source_name(ct.source),
+            "revision": ct.revision,
+            "digest": ct.digest,
+            "node_type": ct.table.node_type,
+            "measured_at": ct.table.measured_at,
+            "builtin_default": ct.source == dspark_types::CostTableSource::Default,
+        },
     });
     if let (Some(b), Ok(extra)) = (body.as_object_mut(), st.ready_details.read()) {
         if let Some(e) = extra.as_object() {

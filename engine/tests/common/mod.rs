@@ -48,3 +48,39 @@ pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
     });
     serde_json::from_str(&text).expect("reference JSON parses")
 }
+
+/// An axum router served on a loopback port by its own runtime (kept alive by the value).
+pub struct Server {
+    pub base: String,
+    _rt: tokio::runtime::Runtime,
+}
+
+pub fn serve(app: axum::Router) -> Server {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move { axum::serve(listener, app).await });
+    Server {
+        base: format!("http://{addr}"),
+        _rt: rt,
+    }
+}
+
+/// Value of the first sample of metric `name` in Prometheus text (NaN when absent).
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| {
+            l.starts_with(name)
+                && (l.as_bytes().get(name.len()) == Some(&b' ')
+                    || l.as_bytes().get(name.len()) == Some(&b'{'))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}

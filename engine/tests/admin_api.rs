@@ -1,0 +1,217 @@
+//! The admin API and the cost table in force, end to end on the real default model: the
+//! token is required, bad tables are refused with the reason and the current one stays, an
+//! accepted push shows in `/ready`, `/admin/v1/state` and metrics, and the `dspark` policy
+//! follows the table (flat: long verify blocks; linear cost: no speculation) while staying
+//! lossless.
+
+mod common;
+
+use common::{metric, serve, Server};
+use dspark_engine::engine::EngineConfig;
+use dspark_engine::runtime::{self, AppOptions};
+use dspark_engine::spec::{Speculation, VerifyPolicy};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const TOKEN: &str = "s3cret-token";
+
+struct Engine {
+    api: Server,
+    admin: Server,
+}
+
+fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
+    runtime::init_threads(None);
+    let (state, _) = runtime::start(&AppOptions {
+        model: common::smollm2(),
+        device: "cpu".into(),
+        served_model_name: Some("smollm2".into()),
+        kv_cache_mb: 64,
+        kv_block_size: 16,
+        max_model_len: Some(1024),
+        engine: EngineConfig {
+            speculation,
+            policy,
+            ..Default::default()
+        },
+        show_progress: false,
+        drafter: None,
+        cost_table: None,
+    })
+    .expect("engine starts");
+    Engine {
+        admin: serve(dspark_engine::server::admin::router(
+            state.clone(),
+            TOKEN.into(),
+        )),
+        api: serve(dspark_engine::server::router(state)),
+    }
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+fn admin(e: &Engine, method: &str, path: &str, token: Option<&str>, body: &str) -> (u16, Value) {
+    let c = client();
+    let url = format!("{}{path}", e.admin.base);
+    let mut r = match method {
+        "GET" => c.get(url),
+        _ => c.put(url).body(body.to_string()),
+    };
+    if let Some(t) = token {
+        r = r.header("authorization", format!("Bearer {t}"));
+    }
+    let r = r.send().unwrap();
+    (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+}
+
+fn get_json(url: String) -> Value {
+    client().get(url).send().unwrap().json().unwrap()
+}
+
+fn table(model_id: &str, points: &[(u32, f64)]) -> String {
+    json!({
+        "schema": 1, "model_id": model_id, "engine_version": dspark_engine::VERSION,
+        "device": "cpu", "node_type": "test-node", "dtype": "q4_1",
+        "measured_at": "2026-11-29T00:00:00Z", "points": points,
+    })
+    .to_string()
+}
+
+/// Greedy completion text and usage.
+fn complete(e: &Engine) -> (String, Value) {
+    let r: Value = client()
+        .post(format!("{}/v1/completions", e.api.base))
+        .json(&json!({"model": "smollm2", "prompt": "Count: one two three, one two three, one two three, one two three,",
+                      "max_tokens": 24, "temperature": 0, "ignore_eos": true}))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    (
+        r["choices"][0]["text"].as_str().unwrap().to_string(),
+        r["usage"].clone(),
+    )
+}
+
+#[test]
+fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
+    let plain = spawn(Speculation::None, VerifyPolicy::Fixed { gamma: 4 });
+    let (expected, _) = complete(&plain);
+    let e = spawn(Speculation::Ngram, VerifyPolicy::Dspark { gamma: 8 });
+
+    // Built-in default until a table arrives, and /ready says so.
+    let r = get_json(format!("{}/ready", e.api.base));
+    assert_eq!(r["policy"], "dspark");
+    assert_eq!(r["cost_table"]["source"], "default");
+    assert_eq!(r["cost_table"]["builtin_default"], true);
+    assert_eq!(r["cost_table"]["revision"], 0);
+
+    // The token is required.
+    assert_eq!(admin(&e, "GET", "/admin/v1/state", None, "").0, 401);
+    assert_eq!(
+        admin(&e, "GET", "/admin/v1/state", Some("wrong"), "").0,
+        401
+    );
+    let (code, state) = admin(&e, "GET", "/admin/v1/state", Some(TOKEN), "");
+    assert_eq!(code, 200, "{state}");
+    assert_eq!(state["cost_table_source"], "default");
+    let model_id = state["model_id"].as_str().unwrap().to_string();
+    let flat = table(&model_id, &[(1, 100.0), (64, 100.0)]);
+    assert_eq!(admin(&e, "PUT", "/admin/v1/cost-table", None, &flat).0, 401);
+
+    // Refusals say why and change nothing.
+    for (body, code, why) in [
+        ("{oops".to_string(), 400, "not valid JSON"),
+        (
+            table(&model_id, &[(1, 10.0), (4, 20.0)]),
+            400,
+            "not monotone",
+        ),
+        (table(&model_id, &[]), 400, "no points"),
+        (
+            table("some-other-model", &[(1, 10.0)]),
+            409,
+            "some-other-model",
+        ),
+        (
+            table(&model_id, &[(1, 10.0)]).replace("\"cpu\"", "\"cuda\""),
+            409,
+            "device",
+        ),
+        (
+            table(&model_id, &[(1, 10.0)]).replace(dspark_engine::VERSION, "99.0.0"),
+            409,
+            "incompatible",
+        ),
+    ] {
+        let (c, v) = admin(&e, "PUT", "/admin/v1/cost-table", Some(TOKEN), &body);
+        assert_eq!(c, code, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(why), "{msg}");
+        assert_eq!(
+            admin(&e, "GET", "/admin/v1/state", Some(TOKEN), "").1["cost_table_revision"],
+            0
+        );
+    }
+    let m = client()
+        .get(format!("{}/metrics", e.api.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert_eq!(metric(&m, "dspark_cost_table_refusals_total"), 6.0);
+
+    // A flat table: verifying is free, the scheduler sends whole blocks; still lossless.
+    let (c, v) = admin(&e, "PUT", "/admin/v1/cost-table", Some(TOKEN), &flat);
+    assert_eq!(c, 200, "{v}");
+    assert_eq!(v["revision"], 1);
+    let (text, usage) = complete(&e);
+    assert_eq!(text, expected);
+    let drafted_flat = usage["draft_tokens"].as_u64().unwrap();
+    assert!(drafted_flat >= 8, "flat table but few drafts: {usage}");
+    let r = get_json(format!("{}/ready", e.api.base));
+    assert_eq!(r["cost_table"]["source"], "admin");
+    assert_eq!(r["cost_table"]["revision"], 1);
+    assert_eq!(r["cost_table"]["node_type"], "test-node");
+    let state = admin(&e, "GET", "/admin/v1/state", Some(TOKEN), "").1;
+    assert_eq!(state["cost_table_digest"], v["digest"]);
+    assert_eq!(
+        admin(&e, "GET", "/admin/v1/cost-table", Some(TOKEN), "").1["node_type"],
+        "test-node"
+    );
+
+    // Cost linear in B: no draft token can pay for itself, the scheduler verifies none.
+    let points: Vec<(u32, f64)> = [1u32, 2, 4, 8, 16, 32, 64]
+        .iter()
+        .map(|&b| (b, 100.0 / b as f64))
+        .collect();
+    let (c, v) = admin(
+        &e,
+        "PUT",
+        "/admin/v1/cost-table",
+        Some(TOKEN),
+        &table(&model_id, &points),
+    );
+    assert_eq!((c, v["revision"].as_u64()), (200, Some(2)), "{v}");
+    let (text, usage) = complete(&e);
+    assert_eq!(text, expected);
+    assert_eq!(usage["draft_tokens"], 0, "linear cost but drafted: {usage}");
+    let m = client()
+        .get(format!("{}/metrics", e.api.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    assert_eq!(metric(&m, "dspark_cost_table_revision"), 2.0);
+    assert!(metric(&m, "dspark_scheduler_expected_tokens_total") > 0.0);
+    assert!(
+        metric(&m, "dspark_scheduler_committed_tokens_total") >= 46.0,
+        "{m}"
+    );
+    assert!(m.contains("source=\"admin\"} 1"), "{m}");
+}
