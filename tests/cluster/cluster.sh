@@ -6,6 +6,10 @@
 #                                        and create the fake GPU nodes (idempotent)
 #   tests/cluster/cluster.sh down        stop everything `up` started; remove state
 #                                        (keep it with DSPARK_KEEP_STATE=1)
+#   tests/cluster/cluster.sh kubelet-up  start the test kubelet (tests/kubelet): it runs the pods of
+#                                        the fake nodes as local processes on loopback pod IPs;
+#                                        labels the nodes dspark.dev/test-kubelet=true
+#   tests/cluster/cluster.sh kubelet-down  stop it (and every process it started), unlabel
 #   tests/cluster/cluster.sh status      health of each component
 #   tests/cluster/cluster.sh logs [N|-f] last N (default 40) lines of every component log;
 #                                        -f follows them
@@ -23,6 +27,11 @@
 #   DSPARK_KWOK_POD_STAGES=1  let kwok also play pods (ready/complete/delete), pod IPs from
 #                         the node's podCIDR 127.1.N.0/24. Off by default: the project's test
 #                         kubelet owns pods. Read by `up` only.
+#   DSPARK_TEST_KUBELET=1 `up` also runs `kubelet-up`.
+#   DSPARK_KUBELET_NODES  nodes the test kubelet plays (default: every fake GPU node)
+#   DSPARK_ENGINE_BIN, DSPARK_OPERATOR_BIN  binaries the test kubelet runs for the
+#                         dspark-engine / dspark-operator containers (default: the release
+#                         builds in $CARGO_TARGET_DIR, ~/.cache/dspark/cargo-target)
 #
 # Everything listens on 127.0.0.1 only; nothing is sent off the loopback network.
 set -euo pipefail
@@ -401,6 +410,7 @@ cmd_up() {
   local t0; t0=$(now)
   if all_alive && apiserver_ready; then
     log "already up (state: $CLUSTER_DIR, kubeconfig: $CLUSTER_DIR/kubeconfig)"
+    [ "${DSPARK_TEST_KUBELET:-0}" = 1 ] && cmd_kubelet_up
     local running_pod_stages=0
     grep -q 'name: pod-ready' "$CLUSTER_DIR/kwok.yaml" 2>/dev/null && running_pod_stages=1
     if [ "$running_pod_stages" != "${DSPARK_KWOK_POD_STAGES:-0}" ]; then
@@ -502,12 +512,17 @@ cmd_up() {
   wait_for "default ServiceAccount" 60 kube-controller-manager kubectl_ get serviceaccount default -n default
 
   trap - EXIT
+  [ "${DSPARK_TEST_KUBELET:-0}" = 1 ] && cmd_kubelet_up
   log "cluster up in $(elapsed "$t0")s"
   log "  export KUBECONFIG=$kc   (or: eval \"\$($0 env)\")"
 }
 
 cmd_down() {
   local t0 i; t0=$(now)
+  if alive "$KUBELET" || [ -d "$CLUSTER_DIR/kubelet/pgids" ]; then
+    stop "$KUBELET"
+    kill_pod_processes
+  fi
   if ! any_alive; then
     log "no cluster processes running"
   else
@@ -518,6 +533,77 @@ cmd_down() {
     log "removed $CLUSTER_DIR"
   fi
   log "down in $(elapsed "$t0")s"
+}
+
+# --- test kubelet (tests/kubelet) ---------------------------------------------------------
+
+KUBELET=dspark-test-kubelet
+KUBELET_LABEL=dspark.dev/test-kubelet
+cargo_target() { echo "${CARGO_TARGET_DIR:-$CACHE_ROOT/cargo-target}"; }
+
+# Kill the process groups of containers a kubelet left behind (it was SIGKILLed).
+kill_pod_processes() {
+  local d="$CLUSTER_DIR/kubelet/pgids" f pg
+  [ -d "$d" ] || return 0
+  for f in "$d"/*; do
+    [ -e "$f" ] || continue
+    pg="$(basename "$f")"
+    [[ "$pg" =~ ^[0-9]+$ ]] && kill -KILL -- "-$pg" 2>/dev/null || true
+    rm -f "$f"
+  done
+}
+
+cmd_kubelet_up() {
+  BIN_DIR="$(bindir)"
+  apiserver_ready || die "the cluster is not up (run \`$0 up\`)"
+  if grep -q 'name: pod-ready' "$CLUSTER_DIR/kwok.yaml" 2>/dev/null; then
+    die "kwok runs pod stages (DSPARK_KWOK_POD_STAGES=1): it and the test kubelet would both write pod status"
+  fi
+  if alive "$KUBELET"; then
+    log "test kubelet already running (log: $CLUSTER_DIR/logs/$KUBELET.log)"
+    return 0
+  fi
+  local tgt bin; tgt="$(cargo_target)"; bin="$tgt/release/$KUBELET"
+  if [ ! -x "$bin" ] || [ -n "$(find "$HERE/../kubelet" -newer "$bin" -name '*.rs' -o -newer "$bin" -name Cargo.toml | head -n1)" ]; then
+    log "  building $KUBELET"
+    (cd "$HERE/../.." && CARGO_TARGET_DIR="$tgt" nice -n 10 cargo build --release -q -p "$KUBELET") ||
+      die "building $KUBELET failed"
+  fi
+  local nodes="${DSPARK_KUBELET_NODES:-}"
+  if [ -n "$nodes" ]; then
+    # shellcheck disable=SC2086
+    kubectl_ label node $nodes "$KUBELET_LABEL=true" --overwrite >/dev/null
+  else
+    kubectl_ label node -l dspark.dev/fake-gpu-node=true "$KUBELET_LABEL=true" --overwrite >/dev/null
+  fi
+  mkdir -p "$CLUSTER_DIR/kubelet" "$CLUSTER_DIR/logs" "$CLUSTER_DIR/run"
+  kill_pod_processes
+  log "  starting $KUBELET"
+  KUBECONFIG="$CLUSTER_DIR/kubeconfig" \
+    DSPARK_ENGINE_BIN="${DSPARK_ENGINE_BIN:-$tgt/release/dspark-engine}" \
+    DSPARK_OPERATOR_BIN="${DSPARK_OPERATOR_BIN:-$tgt/release/dspark-operator}" \
+    setsid "$bin" --state-dir "$CLUSTER_DIR/kubelet" --node-selector "$KUBELET_LABEL=true" \
+    >>"$CLUSTER_DIR/logs/$KUBELET.log" 2>&1 </dev/null &
+  echo $! >"$(pidfile "$KUBELET")"
+  local i
+  for i in $(seq 1 100); do
+    alive "$KUBELET" && grep -q 'test kubelet starting' "$CLUSTER_DIR/logs/$KUBELET.log" && break
+    sleep 0.1
+  done
+  alive "$KUBELET" || { tail -n 20 "$CLUSTER_DIR/logs/$KUBELET.log" >&2; die "$KUBELET did not start"; }
+  log "test kubelet up: nodes $(kubectl_ get nodes -l "$KUBELET_LABEL=true" -o name | sed 's|node/||' | tr '\n' ' ')(log: $CLUSTER_DIR/logs/$KUBELET.log, pods: $CLUSTER_DIR/kubelet/pods)"
+}
+
+cmd_kubelet_down() {
+  if alive "$KUBELET"; then
+    stop "$KUBELET"
+  fi
+  rm -f "$(pidfile "$KUBELET")"
+  kill_pod_processes
+  if apiserver_ready 2>/dev/null; then
+    BIN_DIR="$(bindir)"
+    kubectl_ label node -l "$KUBELET_LABEL=true" "$KUBELET_LABEL-" >/dev/null 2>&1 || true
+  fi
 }
 
 cmd_status() {
@@ -539,8 +625,11 @@ cmd_status() {
       rc=1
     fi
   done
+  if alive "$KUBELET"; then
+    printf '%-24s running  pid %-7s pods in %s\n' "$KUBELET" "$(cat "$(pidfile "$KUBELET")")" "$CLUSTER_DIR/kubelet/pods"
+  fi
   if [ "$rc" = 0 ]; then
-    kubectl_ get nodes -L dspark.dev/node-type 2>&1 || rc=1
+    kubectl_ get nodes -L dspark.dev/node-type -L "$KUBELET_LABEL" 2>&1 || rc=1
   fi
   return "$rc"
 }
@@ -574,6 +663,8 @@ main() {
   case "$cmd" in
     build) cmd_build ;;
     up) cmd_up ;;
+    kubelet-up) cmd_kubelet_up ;;
+    kubelet-down) cmd_kubelet_down ;;
     down) cmd_down ;;
     status) cmd_status ;;
     logs) cmd_logs "$@" ;;

@@ -1,0 +1,1094 @@
+//! One pod: its volumes materialised under a per-pod directory, one supervised local process
+//! per container, HTTP/TCP probes against the pod's loopback IP, and the pod status written
+//! back to the apiserver. Deletion stops the processes (SIGTERM, SIGKILL after the grace
+//! period) and removes the pod (grace 0).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context as _};
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, ContainerState, ContainerStateRunning, ContainerStateTerminated,
+    ContainerStateWaiting, ContainerStatus, KeyToPath, ObjectFieldSelector, PersistentVolume,
+    PersistentVolumeClaim, Pod, Probe, Secret, Service, ServiceAccount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::rewrite::{self, PathMap};
+
+/// Where the service-account token is mounted in containers.
+pub const SA_MOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// Settings shared by every pod.
+pub struct Shared {
+    pub client: Client,
+    pub binaries: BTreeMap<String, String>,
+    pub allowed_host: BTreeSet<String>,
+    pub state_dir: PathBuf,
+    /// The apiserver URL given to pods (kubeconfig) and its host/port (in-cluster env).
+    pub apiserver_url: String,
+    pub max_grace: i64,
+    pub pass_env: Vec<String>,
+}
+
+/// Why a pod's processes must stop.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Stop {
+    /// The pod is being deleted: stop within this grace (seconds), then remove the pod.
+    Delete(i64),
+    /// The kubelet is shutting down: stop the processes, leave the pod.
+    Shutdown,
+}
+
+fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+/// Runs `pod` until it is deleted (or the kubelet stops).
+pub async fn run_pod(
+    shared: Arc<Shared>,
+    pod: Pod,
+    ip: Ipv4Addr,
+    host_ip: String,
+    mut stop: watch::Receiver<Option<Stop>>,
+) {
+    let ns = pod.namespace().unwrap_or_default();
+    let name = pod.name_any();
+    let uid = pod.uid().unwrap_or_default();
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), &ns);
+    let dir = shared
+        .state_dir
+        .join("pods")
+        .join(format!("{ns}_{name}_{}", &uid[..uid.len().min(8)]));
+    let spec = pod.spec.clone().unwrap_or_default();
+    let restart = spec
+        .restart_policy
+        .clone()
+        .unwrap_or_else(|| "Always".into());
+    let mut status = PodView {
+        ip: ip.to_string(),
+        host_ip,
+        start: now(),
+        containers: spec
+            .containers
+            .iter()
+            .map(|c| ContainerStatus {
+                name: c.name.clone(),
+                image: c.image.clone().unwrap_or_default(),
+                image_id: String::new(),
+                ready: false,
+                restart_count: 0,
+                started: Some(false),
+                state: Some(ContainerState {
+                    waiting: Some(ContainerStateWaiting {
+                        reason: Some("ContainerCreating".into()),
+                        message: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect(),
+        done: vec![false; spec.containers.len()],
+        phase: "Pending".into(),
+        message: None,
+        reason: None,
+    };
+    status.write(&api, &name).await;
+
+    // Set up the containers; a failed set-up is retried (a missing ConfigMap, a Service
+    // without ready pods yet), except for pods that never restart, which fail after a minute.
+    let first = std::time::Instant::now();
+    let prepared = loop {
+        match prepare(&shared, &pod, &dir, ip, &status.host_ip).await {
+            Ok(p) => break Some(p),
+            Err(e) => {
+                let msg = format!("{e:#}");
+                warn!(pod = %format!("{ns}/{name}"), "set-up failed: {msg}");
+                for c in &mut status.containers {
+                    c.state = Some(ContainerState {
+                        waiting: Some(ContainerStateWaiting {
+                            reason: Some("CreateContainerConfigError".into()),
+                            message: Some(msg.clone()),
+                        }),
+                        ..Default::default()
+                    });
+                }
+                if restart == "Never" && first.elapsed() > Duration::from_secs(60) {
+                    status.phase = "Failed".into();
+                    status.reason = Some("CreateContainerConfigError".into());
+                    status.message = Some(msg);
+                    status.write(&api, &name).await;
+                    break None;
+                }
+                status.write(&api, &name).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(3)) => {}
+                    _ = stop.changed() => {}
+                }
+                if stop.borrow().is_some() {
+                    break None;
+                }
+            }
+        }
+    };
+
+    let (tx, mut rx) = mpsc::channel::<(usize, ContainerStatus, bool)>(64);
+    let mut running = 0;
+    if let Some(prepared) = prepared {
+        info!(pod = %format!("{ns}/{name}"), %ip, dir = %dir.display(), "starting");
+        for (i, c) in prepared.into_iter().enumerate() {
+            let c = Arc::new(ContainerRun {
+                idx: i,
+                restart_policy: restart.clone(),
+                ip,
+                pgid_dir: shared.state_dir.join("pgids"),
+                max_grace: shared.max_grace,
+                ..c
+            });
+            tokio::spawn(supervise(c, stop.clone(), tx.clone()));
+            running += 1;
+        }
+    }
+    drop(tx);
+    while running > 0 {
+        let Some((i, cs, done)) = rx.recv().await else {
+            break;
+        };
+        status.containers[i] = cs;
+        if done {
+            status.done[i] = true;
+            running -= 1;
+        }
+        let why = *stop.borrow();
+        if why == Some(Stop::Shutdown) {
+            continue;
+        }
+        status.update_phase(why.is_some());
+        status.write(&api, &name).await;
+    }
+
+    // Everything has exited: wait for the deletion (or the shutdown), then remove the pod.
+    while stop.borrow().is_none() {
+        if stop.changed().await.is_err() {
+            return;
+        }
+    }
+    let why = *stop.borrow();
+    if let Some(Stop::Delete(_)) = why {
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(uid.clone()),
+                resource_version: None,
+            }),
+            ..Default::default()
+        };
+        match api.delete(&name, &dp).await {
+            Ok(_) => info!(pod = %format!("{ns}/{name}"), "deleted"),
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => warn!(pod = %format!("{ns}/{name}"), "delete failed: {e}"),
+        }
+    }
+}
+
+/// The pod status this kubelet writes.
+struct PodView {
+    ip: String,
+    host_ip: String,
+    start: Time,
+    containers: Vec<ContainerStatus>,
+    done: Vec<bool>,
+    phase: String,
+    reason: Option<String>,
+    message: Option<String>,
+}
+
+impl PodView {
+    fn update_phase(&mut self, stopping: bool) {
+        if self.done.iter().all(|d| *d) {
+            let ok = self.containers.iter().all(|c| {
+                c.state
+                    .as_ref()
+                    .and_then(|s| s.terminated.as_ref())
+                    .is_some_and(|t| t.exit_code == 0)
+            });
+            self.phase = if ok { "Succeeded" } else { "Failed" }.into();
+        } else if self
+            .containers
+            .iter()
+            .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+            || self.containers.iter().any(|c| c.restart_count > 0)
+        {
+            self.phase = "Running".into();
+        }
+        if stopping {
+            for c in &mut self.containers {
+                c.ready = false;
+            }
+        }
+    }
+
+    async fn write(&self, api: &Api<Pod>, name: &str) {
+        let all_ready = self.containers.iter().all(|c| c.ready);
+        let running = self.phase == "Running";
+        let cond = |t: &str, ok: bool| {
+            json!({
+                "type": t,
+                "status": if ok { "True" } else { "False" },
+                "lastTransitionTime": self.start,
+            })
+        };
+        let started = self.phase != "Pending";
+        let patch = json!({
+            "status": {
+                "phase": self.phase,
+                "reason": self.reason,
+                "message": self.message,
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "hostIP": self.host_ip,
+                "hostIPs": [{"ip": self.host_ip}],
+                "startTime": self.start,
+                "conditions": [
+                    cond("PodScheduled", true),
+                    cond("Initialized", true),
+                    cond("PodReadyToStartContainers", started),
+                    cond("ContainersReady", all_ready && running),
+                    cond("Ready", all_ready && running),
+                ],
+                "containerStatuses": self.containers,
+            }
+        });
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => warn!(pod = name, "status update failed: {e}"),
+        }
+    }
+}
+
+/// What one container needs to run.
+struct ContainerRun {
+    idx: usize,
+    name: String,
+    image: String,
+    program: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: PathBuf,
+    log: PathBuf,
+    termination_file: PathBuf,
+    fallback_to_logs: bool,
+    restart_policy: String,
+    ip: Ipv4Addr,
+    ports: BTreeMap<String, i32>,
+    startup: Option<Probe>,
+    readiness: Option<Probe>,
+    liveness: Option<Probe>,
+    pgid_dir: PathBuf,
+    max_grace: i64,
+}
+
+async fn field_value(pod: &Pod, path: &str, ip: Ipv4Addr, host_ip: &str) -> Option<String> {
+    let label = |prefix: &str, map: Option<&BTreeMap<String, String>>| -> Option<String> {
+        let key = path.strip_prefix(prefix)?.strip_suffix("']")?.to_string();
+        map?.get(&key).cloned()
+    };
+    Some(match path {
+        "metadata.name" => pod.name_any(),
+        "metadata.namespace" => pod.namespace().unwrap_or_default(),
+        "metadata.uid" => pod.uid().unwrap_or_default(),
+        "spec.nodeName" => pod.spec.as_ref()?.node_name.clone()?,
+        "spec.serviceAccountName" => pod
+            .spec
+            .as_ref()?
+            .service_account_name
+            .clone()
+            .unwrap_or_else(|| "default".into()),
+        "status.podIP" | "status.podIPs" => ip.to_string(),
+        "status.hostIP" | "status.hostIPs" => host_ip.to_string(),
+        p if p.starts_with("metadata.labels['") => {
+            label("metadata.labels['", pod.metadata.labels.as_ref())?
+        }
+        p if p.starts_with("metadata.annotations['") => {
+            label("metadata.annotations['", pod.metadata.annotations.as_ref())?
+        }
+        _ => return None,
+    })
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Writes `data` (key -> bytes) into `dir`, all keys or the listed `items`.
+fn write_items(
+    dir: &Path,
+    data: &BTreeMap<String, Vec<u8>>,
+    items: Option<&Vec<KeyToPath>>,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    match items {
+        Some(items) => {
+            for it in items {
+                let v = data
+                    .get(&it.key)
+                    .ok_or_else(|| anyhow!("key {} is missing", it.key))?;
+                write_file(&dir.join(&it.path), v)?;
+            }
+        }
+        None => {
+            for (k, v) in data {
+                write_file(&dir.join(k), v)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn config_map_data(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    optional: bool,
+) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    match api.get_opt(name).await? {
+        Some(cm) => {
+            let mut out: BTreeMap<String, Vec<u8>> = cm
+                .data
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()))
+                .collect();
+            for (k, v) in cm.binary_data.unwrap_or_default() {
+                out.insert(k, v.0);
+            }
+            Ok(out)
+        }
+        None if optional => Ok(BTreeMap::new()),
+        None => bail!("ConfigMap {ns}/{name} not found"),
+    }
+}
+
+async fn secret_data(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    optional: bool,
+) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), ns);
+    match api.get_opt(name).await? {
+        Some(s) => Ok(s
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.0))
+            .collect()),
+        None if optional => Ok(BTreeMap::new()),
+        None => bail!("Secret {ns}/{name} not found"),
+    }
+}
+
+async fn sa_token(client: &Client, pod: &Pod, expiration: i64) -> anyhow::Result<String> {
+    let ns = pod.namespace().unwrap_or_default();
+    let sa = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .unwrap_or_else(|| "default".into());
+    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), &ns);
+    let tr = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            audiences: None,
+            attestations: None,
+            expiration_seconds: Some(expiration.max(86_400)),
+            bound_object_ref: Some(BoundObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(pod.name_any()),
+                uid: pod.uid(),
+            }),
+        }),
+        ..Default::default()
+    };
+    let r = api
+        .create_token_request(&sa, &PostParams::default(), &tr)
+        .await
+        .with_context(|| format!("requesting a token for ServiceAccount {ns}/{sa}"))?;
+    Ok(r.status.and_then(|s| s.token).unwrap_or_default())
+}
+
+/// Materialises every volume of the pod; returns volume name -> host path.
+async fn volumes(
+    client: &Client,
+    pod: &Pod,
+    dir: &Path,
+    ip: Ipv4Addr,
+    host_ip: &str,
+) -> anyhow::Result<BTreeMap<String, PathBuf>> {
+    let ns = pod.namespace().unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for v in pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.volumes.clone())
+        .unwrap_or_default()
+    {
+        let vdir = dir.join("volumes").join(&v.name);
+        let path = if let Some(hp) = &v.host_path {
+            let p = PathBuf::from(&hp.path);
+            match hp.type_.as_deref() {
+                Some("DirectoryOrCreate") => std::fs::create_dir_all(&p)?,
+                Some("FileOrCreate") if !p.exists() => write_file(&p, b"")?,
+                _ if !p.exists() => bail!("hostPath {} does not exist", hp.path),
+                _ => {}
+            }
+            p
+        } else if v.empty_dir.is_some() {
+            std::fs::create_dir_all(&vdir)?;
+            vdir
+        } else if let Some(cm) = &v.config_map {
+            let data = config_map_data(client, &ns, &cm.name, cm.optional == Some(true)).await?;
+            write_items(&vdir, &data, cm.items.as_ref())?;
+            vdir
+        } else if let Some(s) = &v.secret {
+            let name = s.secret_name.clone().unwrap_or_default();
+            let data = secret_data(client, &ns, &name, s.optional == Some(true)).await?;
+            write_items(&vdir, &data, s.items.as_ref())?;
+            vdir
+        } else if let Some(d) = &v.downward_api {
+            std::fs::create_dir_all(&vdir)?;
+            for it in d.items.iter().flatten() {
+                if let Some(ObjectFieldSelector { field_path, .. }) = &it.field_ref {
+                    let val = field_value(pod, field_path, ip, host_ip)
+                        .await
+                        .unwrap_or_default();
+                    write_file(&vdir.join(&it.path), val.as_bytes())?;
+                }
+            }
+            vdir
+        } else if let Some(p) = &v.projected {
+            std::fs::create_dir_all(&vdir)?;
+            for src in p.sources.iter().flatten() {
+                if let Some(t) = &src.service_account_token {
+                    let token = sa_token(client, pod, t.expiration_seconds.unwrap_or(3600)).await?;
+                    write_file(&vdir.join(&t.path), token.as_bytes())?;
+                }
+                if let Some(cm) = &src.config_map {
+                    let data =
+                        config_map_data(client, &ns, &cm.name, cm.optional == Some(true)).await?;
+                    write_items(&vdir, &data, cm.items.as_ref())?;
+                }
+                if let Some(s) = &src.secret {
+                    let data = secret_data(client, &ns, &s.name, s.optional == Some(true)).await?;
+                    write_items(&vdir, &data, s.items.as_ref())?;
+                }
+                if let Some(d) = &src.downward_api {
+                    for it in d.items.iter().flatten() {
+                        if let Some(f) = &it.field_ref {
+                            let val = field_value(pod, &f.field_path, ip, host_ip)
+                                .await
+                                .unwrap_or_default();
+                            write_file(&vdir.join(&it.path), val.as_bytes())?;
+                        }
+                    }
+                }
+            }
+            vdir
+        } else if let Some(pvc) = &v.persistent_volume_claim {
+            let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+            let c = claims.get(&pvc.claim_name).await?;
+            let pv_name = c
+                .spec
+                .and_then(|s| s.volume_name)
+                .ok_or_else(|| anyhow!("PVC {} is not bound", pvc.claim_name))?;
+            let pv = Api::<PersistentVolume>::all(client.clone())
+                .get(&pv_name)
+                .await?;
+            let spec = pv.spec.unwrap_or_default();
+            PathBuf::from(
+                spec.host_path
+                    .map(|h| h.path)
+                    .or(spec.local.map(|l| l.path))
+                    .ok_or_else(|| anyhow!("PV {pv_name} is neither hostPath nor local"))?,
+            )
+        } else {
+            bail!("volume {}: unsupported volume type", v.name);
+        };
+        out.insert(v.name.clone(), path);
+    }
+    Ok(out)
+}
+
+/// Replaces `<svc>.<ns>.svc[:port]` with the IP (and target port) of a ready pod of that
+/// Service: nothing here can resolve cluster DNS, and a lookup must not leave loopback.
+async fn resolve_services(client: &Client, arg: &str) -> anyhow::Result<String> {
+    let hosts = rewrite::service_hosts(arg);
+    if hosts.is_empty() {
+        return Ok(arg.to_string());
+    }
+    let mut out = String::new();
+    let mut last = 0;
+    for (start, end, svc, ns, port) in hosts {
+        let s = Api::<Service>::namespaced(client.clone(), &ns)
+            .get(&svc)
+            .await
+            .with_context(|| format!("Service {ns}/{svc}"))?;
+        let spec = s.spec.unwrap_or_default();
+        let selector = spec
+            .selector
+            .unwrap_or_default()
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let pods = Api::<Pod>::namespaced(client.clone(), &ns)
+            .list(&ListParams::default().labels(&selector))
+            .await?;
+        let ready = pods.items.iter().find(|p| {
+            p.status.as_ref().is_some_and(|st| {
+                st.pod_ip.is_some()
+                    && st
+                        .conditions
+                        .iter()
+                        .flatten()
+                        .any(|c| c.type_ == "Ready" && c.status == "True")
+            })
+        });
+        let Some(target) = ready else {
+            bail!("Service {ns}/{svc} has no ready pod yet");
+        };
+        let ip = target
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.clone())
+            .unwrap_or_default();
+        out.push_str(&arg[last..start]);
+        out.push_str(&ip);
+        last = end;
+        if let Some(port) = port {
+            let sp = spec
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.port == i32::from(port));
+            let target_port = match sp.and_then(|p| p.target_port.clone()) {
+                Some(IntOrString::Int(n)) => n,
+                Some(IntOrString::String(name)) => target
+                    .spec
+                    .iter()
+                    .flat_map(|s| s.containers.iter())
+                    .flat_map(|c| c.ports.iter().flatten())
+                    .find(|p| p.name.as_deref() == Some(name.as_str()))
+                    .map(|p| p.container_port)
+                    .ok_or_else(|| anyhow!("Service {ns}/{svc}: no container port {name}"))?,
+                None => i32::from(port),
+            };
+            out.push_str(&format!(":{target_port}"));
+            last = end + 1 + port.to_string().len();
+        }
+    }
+    out.push_str(&arg[last..]);
+    Ok(out)
+}
+
+/// Builds every container's command line, environment and paths.
+async fn prepare(
+    shared: &Shared,
+    pod: &Pod,
+    dir: &Path,
+    ip: Ipv4Addr,
+    host_ip: &str,
+) -> anyhow::Result<Vec<ContainerRun>> {
+    let client = &shared.client;
+    let ns = pod.namespace().unwrap_or_default();
+    let spec = pod.spec.clone().unwrap_or_default();
+    if spec.init_containers.as_ref().is_some_and(|c| !c.is_empty()) {
+        bail!("init containers are not supported by the test kubelet");
+    }
+    std::fs::create_dir_all(dir.join("home"))?;
+    let vols = volumes(client, pod, dir, ip, host_ip).await?;
+    let api_url = shared.apiserver_url.trim_end_matches('/');
+    let (api_host, api_port) = api_url
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .map(|(h, p)| (h.to_string(), p.to_string()))
+        .unwrap_or_else(|| ("127.0.0.1".into(), "443".into()));
+    let mut out = Vec::new();
+    for c in &spec.containers {
+        out.push(
+            prepare_container(
+                shared, pod, c, dir, ip, host_ip, &vols, &ns, api_url, &api_host, &api_port,
+            )
+            .await
+            .with_context(|| format!("container {}", c.name))?,
+        );
+    }
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn prepare_container(
+    shared: &Shared,
+    pod: &Pod,
+    c: &Container,
+    dir: &Path,
+    ip: Ipv4Addr,
+    host_ip: &str,
+    vols: &BTreeMap<String, PathBuf>,
+    ns: &str,
+    api_url: &str,
+    api_host: &str,
+    api_port: &str,
+) -> anyhow::Result<ContainerRun> {
+    let client = &shared.client;
+    let mut paths = PathMap::default();
+    let mut sa_dir = None;
+    for m in c.volume_mounts.iter().flatten() {
+        let base = vols
+            .get(&m.name)
+            .ok_or_else(|| anyhow!("volumeMount of unknown volume {}", m.name))?;
+        let host = match m.sub_path.as_deref().filter(|s| !s.is_empty()) {
+            Some(sub) => base.join(sub),
+            None => base.clone(),
+        };
+        paths.add(&m.mount_path, &host.to_string_lossy());
+        if m.mount_path.trim_end_matches('/') == SA_MOUNT {
+            sa_dir = Some(host);
+        }
+    }
+    let term_file = dir.join(format!("{}.termination-log", c.name));
+    let term_path = c
+        .termination_message_path
+        .clone()
+        .unwrap_or_else(|| "/dev/termination-log".into());
+    paths.add(&term_path, &term_file.to_string_lossy());
+
+    // Environment: a clean one (the kubelet's own credentials never leak into pods).
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    let mut order: Vec<String> = Vec::new();
+    let mut set = |env: &mut BTreeMap<String, String>, k: &str, v: String| {
+        if !order.iter().any(|o| o == k) {
+            order.push(k.to_string());
+        }
+        env.insert(k.to_string(), v);
+    };
+    set(
+        &mut env,
+        "PATH",
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
+    );
+    set(&mut env, "HOME", dir.join("home").to_string_lossy().into());
+    set(&mut env, "HOSTNAME", pod.name_any());
+    set(&mut env, "KUBERNETES_SERVICE_HOST", api_host.to_string());
+    set(&mut env, "KUBERNETES_SERVICE_PORT", api_port.to_string());
+    for k in &shared.pass_env {
+        if let Ok(v) = std::env::var(k) {
+            set(&mut env, k, v);
+        }
+    }
+    if let Some(sa) = &sa_dir {
+        // kube clients read in-cluster credentials from a fixed path; give them a kubeconfig
+        // with the pod's own ServiceAccount token instead (so RBAC is really exercised).
+        let kc = dir.join(format!("{}.kubeconfig", c.name));
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {api_url}\n    certificate-authority: {ca}\nusers:\n- name: u\n  user:\n    tokenFile: {token}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n    namespace: {ns}\ncurrent-context: c\n",
+            ca = sa.join("ca.crt").display(),
+            token = sa.join("token").display(),
+        );
+        write_file(&kc, text.as_bytes())?;
+        set(&mut env, "KUBECONFIG", kc.to_string_lossy().into());
+    }
+    for e in c.env.iter().flatten() {
+        let value = if let Some(v) = &e.value {
+            rewrite::expand(v, &env)
+        } else if let Some(from) = &e.value_from {
+            if let Some(f) = &from.field_ref {
+                field_value(pod, &f.field_path, ip, host_ip)
+                    .await
+                    .unwrap_or_default()
+            } else if let Some(r) = &from.config_map_key_ref {
+                let d = config_map_data(client, ns, &r.name, r.optional == Some(true)).await?;
+                d.get(&r.key)
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default()
+            } else if let Some(r) = &from.secret_key_ref {
+                let d = secret_data(client, ns, &r.name, r.optional == Some(true)).await?;
+                d.get(&r.key)
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default()
+            } else {
+                String::new()
+            }
+        } else {
+            String::new()
+        };
+        let value = rewrite::bind_to_pod_ip(&paths.map_arg(&value), &ip.to_string());
+        set(&mut env, &e.name, value);
+    }
+
+    let image = c.image.clone().unwrap_or_default();
+    let command = c.command.clone().unwrap_or_default();
+    let program = rewrite::resolve_program(
+        command.first().map(String::as_str),
+        &image,
+        &shared.binaries,
+        &shared.allowed_host,
+    )
+    .map_err(|e| anyhow!(e))?;
+    let mut args = Vec::new();
+    for a in command.iter().skip(1).chain(c.args.iter().flatten()) {
+        let a = rewrite::expand(a, &env);
+        let a = resolve_services(client, &a).await?;
+        let a = rewrite::bind_to_pod_ip(&paths.map_arg(&a), &ip.to_string());
+        if let Some(host) = rewrite::non_loopback_url(&a) {
+            bail!("argument {a:?} names {host}, which is not a loopback address");
+        }
+        args.push(a);
+    }
+    let ports = c
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| Some((p.name.clone()?, p.container_port)))
+        .collect();
+    Ok(ContainerRun {
+        name: c.name.clone(),
+        image,
+        program,
+        args,
+        env: order.iter().map(|k| (k.clone(), env[k].clone())).collect(),
+        cwd: dir.to_path_buf(),
+        log: dir.join(format!("{}.log", c.name)),
+        termination_file: term_file,
+        fallback_to_logs: c.termination_message_policy.as_deref() == Some("FallbackToLogsOnError"),
+        ports,
+        startup: c.startup_probe.clone(),
+        readiness: c.readiness_probe.clone(),
+        liveness: c.liveness_probe.clone(),
+        // Filled in by run_pod.
+        idx: 0,
+        restart_policy: String::new(),
+        ip,
+        pgid_dir: PathBuf::new(),
+        max_grace: 0,
+    })
+}
+
+/// One probe's bookkeeping.
+struct ProbeState {
+    probe: Probe,
+    next: Instant,
+    successes: i32,
+    failures: i32,
+}
+
+impl ProbeState {
+    fn new(p: &Probe, from: Instant) -> Self {
+        Self {
+            probe: p.clone(),
+            next: from + Duration::from_secs(p.initial_delay_seconds.unwrap_or(0).max(0) as u64),
+            successes: 0,
+            failures: 0,
+        }
+    }
+    fn period(&self) -> Duration {
+        Duration::from_secs(self.probe.period_seconds.unwrap_or(10).max(1) as u64)
+    }
+    /// Records a result; `Some(true)` once successThreshold is reached, `Some(false)` once
+    /// failureThreshold is.
+    fn record(&mut self, ok: bool) -> Option<bool> {
+        self.next = Instant::now() + self.period();
+        if ok {
+            self.failures = 0;
+            self.successes += 1;
+            (self.successes >= self.probe.success_threshold.unwrap_or(1).max(1)).then_some(true)
+        } else {
+            self.successes = 0;
+            self.failures += 1;
+            (self.failures >= self.probe.failure_threshold.unwrap_or(3).max(1)).then_some(false)
+        }
+    }
+}
+
+/// Runs a probe once against the pod IP.
+async fn probe_once(p: &Probe, ip: Ipv4Addr, ports: &BTreeMap<String, i32>) -> bool {
+    let timeout = Duration::from_secs(p.timeout_seconds.unwrap_or(1).max(1) as u64);
+    let port_of = |port: &IntOrString| match port {
+        IntOrString::Int(n) => Some(*n),
+        IntOrString::String(s) => ports.get(s).copied().or_else(|| s.parse().ok()),
+    };
+    let fut = async {
+        if let Some(h) = &p.http_get {
+            let port = port_of(&h.port)?;
+            let mut s = tokio::net::TcpStream::connect((ip, port as u16))
+                .await
+                .ok()?;
+            let path = h.path.clone().unwrap_or_else(|| "/".into());
+            let req = format!(
+                "GET {path} HTTP/1.1\r\nHost: {ip}:{port}\r\nUser-Agent: dspark-test-kubelet\r\nConnection: close\r\n\r\n"
+            );
+            s.write_all(req.as_bytes()).await.ok()?;
+            let mut buf = vec![0u8; 256];
+            let mut n = 0;
+            while n < 16 {
+                let k = s.read(&mut buf[n..]).await.ok()?;
+                if k == 0 {
+                    break;
+                }
+                n += k;
+            }
+            let code = rewrite::http_status(&String::from_utf8_lossy(&buf[..n]))?;
+            Some((200..400).contains(&code))
+        } else if let Some(t) = &p.tcp_socket {
+            let port = port_of(&t.port)?;
+            Some(
+                tokio::net::TcpStream::connect((ip, port as u16))
+                    .await
+                    .is_ok(),
+            )
+        } else {
+            // exec / grpc probes are not run: counted as passing.
+            Some(true)
+        }
+    };
+    matches!(tokio::time::timeout(timeout, fut).await, Ok(Some(true)))
+}
+
+fn signal_group(pgid: i32, sig: i32) {
+    if pgid > 0 {
+        // SAFETY: kill(2) on a process group this kubelet created; no memory is touched.
+        unsafe {
+            libc::kill(-pgid, sig);
+        }
+    }
+}
+
+/// Runs one container, restarting it per the pod's restart policy, until it is done or
+/// stopped; reports each state change.
+async fn supervise(
+    c: Arc<ContainerRun>,
+    mut stop: watch::Receiver<Option<Stop>>,
+    tx: mpsc::Sender<(usize, ContainerStatus, bool)>,
+) {
+    let mut restarts = 0;
+    let mut last_state: Option<ContainerState> = None;
+    let _ = std::fs::create_dir_all(&c.pgid_dir);
+    loop {
+        let _ = std::fs::write(&c.termination_file, b"");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&c.log);
+        let started_at = now();
+        let mut status = ContainerStatus {
+            name: c.name.clone(),
+            image: c.image.clone(),
+            image_id: format!("local://{}", c.program),
+            restart_count: restarts,
+            last_state: last_state.clone(),
+            ..Default::default()
+        };
+        let spawned = log.map_err(anyhow::Error::from).and_then(|log| {
+            let err = log.try_clone()?;
+            let mut cmd = tokio::process::Command::new(&c.program);
+            cmd.args(&c.args)
+                .env_clear()
+                .envs(c.env.iter().map(|(k, v)| (k, v)))
+                .current_dir(&c.cwd)
+                .stdin(std::process::Stdio::null())
+                .stdout(log)
+                .stderr(err)
+                .process_group(0);
+            Ok(cmd.spawn()?)
+        });
+        let mut stopped = false;
+        let (code, reason, extra) = match spawned {
+            Err(e) => (128, "StartError".to_string(), format!("{e:#}")),
+            Ok(mut child) => {
+                let pgid = child.id().unwrap_or(0) as i32;
+                let pgid_file = c.pgid_dir.join(pgid.to_string());
+                let _ = std::fs::write(&pgid_file, b"");
+                let t0 = Instant::now();
+                let mut startup = c.startup.as_ref().map(|p| ProbeState::new(p, t0));
+                let mut readiness = c.readiness.as_ref().map(|p| ProbeState::new(p, t0));
+                let mut liveness = c.liveness.as_ref().map(|p| ProbeState::new(p, t0));
+                let mut started = startup.is_none();
+                let mut ready = readiness.is_none() && started;
+                let report = |status: &mut ContainerStatus, started: bool, ready: bool| {
+                    status.started = Some(started);
+                    status.ready = ready;
+                    status.container_id = Some(format!("local://{pgid}"));
+                    status.state = Some(ContainerState {
+                        running: Some(ContainerStateRunning {
+                            started_at: Some(started_at.clone()),
+                        }),
+                        ..Default::default()
+                    });
+                };
+                report(&mut status, started, ready);
+                let _ = tx.send((c.idx, status.clone(), false)).await;
+                let mut killed_by_probe = None;
+                let exit = loop {
+                    let next = [
+                        startup.as_ref().filter(|_| !started).map(|p| p.next),
+                        readiness.as_ref().filter(|_| started).map(|p| p.next),
+                        liveness.as_ref().filter(|_| started).map(|p| p.next),
+                    ]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+                    tokio::select! {
+                        r = child.wait() => break r.ok(),
+                        _ = stop.changed() => {
+                            let why = *stop.borrow();
+                            if let Some(why) = why {
+                                let grace = match why {
+                                    Stop::Delete(g) => g.clamp(0, c.max_grace),
+                                    Stop::Shutdown => 5,
+                                };
+                                stopped = true;
+                                signal_group(pgid, libc::SIGTERM);
+                                match tokio::time::timeout(Duration::from_secs(grace as u64), child.wait()).await {
+                                    Ok(r) => break r.ok(),
+                                    Err(_) => {
+                                        signal_group(pgid, libc::SIGKILL);
+                                        break child.wait().await.ok();
+                                    }
+                                }
+                            }
+                        }
+                        _ = tokio::time::sleep_until(next) => {
+                            let before = (started, ready);
+                            if !started {
+                                if let Some(p) = startup.as_mut() {
+                                    match p.record(probe_once(&p.probe, c.ip, &c.ports).await) {
+                                        Some(true) => {
+                                            started = true;
+                                            let now = Instant::now();
+                                            if let Some(r) = readiness.as_mut() { r.next = r.next.max(now); }
+                                            if let Some(l) = liveness.as_mut() { l.next = l.next.max(now); }
+                                            ready = readiness.is_none();
+                                        }
+                                        Some(false) => killed_by_probe = Some("startup"),
+                                        None => {}
+                                    }
+                                }
+                            } else {
+                                if let Some(p) = readiness.as_mut() {
+                                    if Instant::now() >= p.next {
+                                        if let Some(v) = p.record(probe_once(&p.probe, c.ip, &c.ports).await) {
+                                            ready = v;
+                                        }
+                                    }
+                                }
+                                if let Some(p) = liveness.as_mut() {
+                                    if Instant::now() >= p.next
+                                        && p.record(probe_once(&p.probe, c.ip, &c.ports).await) == Some(false)
+                                    {
+                                        killed_by_probe = Some("liveness");
+                                    }
+                                }
+                            }
+                            if let Some(which) = killed_by_probe {
+                                warn!(container = %c.name, "{which} probe failed; restarting");
+                                signal_group(pgid, libc::SIGTERM);
+                                if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
+                                    signal_group(pgid, libc::SIGKILL);
+                                }
+                                break child.wait().await.ok();
+                            }
+                            if (started, ready) != before {
+                                report(&mut status, started, ready);
+                                let _ = tx.send((c.idx, status.clone(), false)).await;
+                            }
+                        }
+                    }
+                };
+                // Leftover children of the container die with it.
+                signal_group(pgid, libc::SIGKILL);
+                let _ = std::fs::remove_file(&pgid_file);
+                use std::os::unix::process::ExitStatusExt;
+                let code = exit
+                    .map(|s| s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
+                    .unwrap_or(137);
+                let reason = if code == 0 && killed_by_probe.is_none() {
+                    "Completed"
+                } else {
+                    "Error"
+                };
+                (code, reason.to_string(), String::new())
+            }
+        };
+        let mut message = std::fs::read(&c.termination_file)
+            .map(|b| String::from_utf8_lossy(&b[..b.len().min(4096)]).into_owned())
+            .unwrap_or_default();
+        if message.trim().is_empty() && !extra.is_empty() {
+            message = extra;
+        } else if message.trim().is_empty() && c.fallback_to_logs && code != 0 {
+            let log = std::fs::read(&c.log).unwrap_or_default();
+            let tail = &log[log.len().saturating_sub(2048)..];
+            message = String::from_utf8_lossy(tail).into_owned();
+        }
+        let terminated = ContainerState {
+            terminated: Some(ContainerStateTerminated {
+                exit_code: code,
+                reason: Some(reason),
+                message: (!message.is_empty()).then_some(message),
+                started_at: Some(started_at),
+                finished_at: Some(now()),
+                container_id: status.container_id.clone(),
+                signal: None,
+            }),
+            ..Default::default()
+        };
+        let again = !stopped
+            && match c.restart_policy.as_str() {
+                "Never" => false,
+                "OnFailure" => code != 0,
+                _ => true,
+            };
+        status.ready = false;
+        status.started = Some(false);
+        status.state = Some(terminated.clone());
+        info!(container = %c.name, code, restart = again, "container exited");
+        let _ = tx.send((c.idx, status.clone(), !again)).await;
+        if !again {
+            return;
+        }
+        // Back off like CrashLoopBackOff (1 s doubling, at most 20 s), unless stopped.
+        let wait = Duration::from_secs((1u64 << restarts.min(5)).min(20));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.changed() => {}
+        }
+        if stop.borrow().is_some() {
+            let _ = tx.send((c.idx, status.clone(), true)).await;
+            return;
+        }
+        restarts += 1;
+        last_state = Some(terminated);
+    }
+}

@@ -1,0 +1,560 @@
+//! The Helm chart (charts/dspark-operator): its CRDs are the repository's, its RBAC is exactly
+//! operator/deploy/rbac.yaml, it lints, and (against the local cluster, `tests/cluster/cluster.sh
+//! up`, KUBECONFIG and helm on PATH: `eval "$(tests/cluster/cluster.sh env)"`) it installs, runs
+//! the operator built from this tree as a pod through the test kubelet (so the chart's RBAC,
+//! ServiceAccount token, probes and leader election are really used), passes `helm test` and
+//! uninstalls, leaving only the CRDs. Without a cluster the cluster test prints why and passes,
+//! unless DSPARK_REQUIRE_CLUSTER=1.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(path)
+}
+
+fn chart() -> PathBuf {
+    repo("charts/dspark-operator")
+}
+
+fn require() -> bool {
+    std::env::var("DSPARK_REQUIRE_CLUSTER").as_deref() == Ok("1")
+}
+
+/// `helm`, if on PATH.
+fn helm() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("helm"))
+        .find(|p| p.is_file())
+}
+
+fn run(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed ({}):\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(stdout)
+}
+
+#[test]
+fn chart_crds_are_the_repository_crds() {
+    let names = |dir: &Path| -> BTreeSet<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml"))
+            .collect()
+    };
+    let (ours, theirs) = (chart().join("crds"), repo("crds"));
+    assert_eq!(
+        names(&ours),
+        names(&theirs),
+        "charts/dspark-operator/crds/ must hold exactly the files of crds/"
+    );
+    for n in names(&theirs) {
+        assert!(
+            std::fs::read(ours.join(&n)).unwrap() == std::fs::read(theirs.join(&n)).unwrap(),
+            "charts/dspark-operator/crds/{n} differs from crds/{n}; copy it: \
+             cp crds/*.yaml charts/dspark-operator/crds/"
+        );
+    }
+}
+
+/// (apiGroup, resource, verb) triples of the rules of every `kind` document in `docs`.
+fn rule_set(docs: &[serde_yaml::Value], kind: &str) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    let strs = |v: &serde_yaml::Value| -> Vec<String> {
+        v.as_sequence()
+            .map(|s| {
+                s.iter()
+                    .filter_map(|x| x.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    for d in docs.iter().filter(|d| d["kind"].as_str() == Some(kind)) {
+        for r in d["rules"].as_sequence().into_iter().flatten() {
+            for g in strs(&r["apiGroups"]) {
+                for res in strs(&r["resources"]) {
+                    for v in strs(&r["verbs"]) {
+                        out.insert((g.clone(), res.clone(), v));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn yaml_docs(text: &str) -> Vec<serde_yaml::Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .filter_map(|d| {
+            let v = serde_yaml::Value::deserialize(d).ok()?;
+            (!v.is_null()).then_some(v)
+        })
+        .collect()
+}
+
+use serde::Deserialize;
+
+#[test]
+fn chart_lints_and_its_rbac_is_exactly_the_operators() {
+    let Some(helm) = helm() else {
+        assert!(
+            !require(),
+            "DSPARK_REQUIRE_CLUSTER=1 but helm is not on PATH"
+        );
+        eprintln!("SKIP: helm is not on PATH (eval \"$(tests/cluster/cluster.sh env)\")");
+        return;
+    };
+    run(Command::new(&helm).args(["lint", "--strict"]).arg(chart())).unwrap();
+    for extra in [
+        &[][..],
+        &[
+            "--set",
+            "watchNamespace=team-a",
+            "--set",
+            "leaderElection.enabled=false",
+        ][..],
+        &[
+            "--set",
+            "serviceMonitor.enabled=true",
+            "--set",
+            "networkPolicy.enabled=true",
+        ][..],
+    ] {
+        run(Command::new(&helm)
+            .args(["lint", "--strict"])
+            .arg(chart())
+            .args(extra))
+        .unwrap();
+    }
+    // A bad value is refused by values.schema.json.
+    let bad = Command::new(&helm)
+        .args(["template", "x"])
+        .arg(chart())
+        .args(["--set", "replicaCount=-1"])
+        .output()
+        .unwrap();
+    assert!(
+        !bad.status.success(),
+        "values.schema.json let replicaCount=-1 through"
+    );
+
+    let rendered = run(Command::new(&helm)
+        .args(["template", "x", "-n", "ops"])
+        .arg(chart()))
+    .unwrap();
+    let docs = yaml_docs(&rendered);
+    let reference = yaml_docs(&std::fs::read_to_string(repo("operator/deploy/rbac.yaml")).unwrap());
+    for kind in ["ClusterRole", "Role"] {
+        let (chart_rules, operator_rules) = (rule_set(&docs, kind), rule_set(&reference, kind));
+        assert!(!operator_rules.is_empty());
+        let extra: Vec<_> = chart_rules.difference(&operator_rules).collect();
+        let missing: Vec<_> = operator_rules.difference(&chart_rules).collect();
+        assert!(
+            extra.is_empty() && missing.is_empty(),
+            "{kind} rules of the chart differ from operator/deploy/rbac.yaml: \
+             the chart grants more {extra:?}, lacks {missing:?}"
+        );
+    }
+    let kinds: BTreeSet<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    for k in [
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Service",
+        "Pod",
+    ] {
+        assert!(kinds.contains(k), "the chart renders no {k}: {kinds:?}");
+    }
+    assert!(!kinds.contains("ServiceMonitor") && !kinds.contains("NetworkPolicy"));
+    let dep = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("Deployment"))
+        .unwrap();
+    let c = &dep["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = c["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert!(
+        args.contains(&"--lease-name=x-dspark-operator-leader"),
+        "{args:?}"
+    );
+    assert_eq!(
+        c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(c["securityContext"]["runAsNonRoot"].as_bool(), Some(true));
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["path"].as_str(),
+        Some("/healthz")
+    );
+    assert!(c["resources"]["limits"]["memory"].as_str().is_some());
+}
+
+/// Stops the kubelet this test started (and its pods' processes) even when the test fails.
+struct Kubelet(Option<Child>);
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            // SIGTERM, so that it stops its pods' processes.
+            // SAFETY: kill(2) on our own child; no memory is touched.
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(15) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Polls `f` every 500 ms until it returns `Some`, for at most `secs` seconds.
+fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
+    let t0 = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(secs),
+            "timed out after {secs} s waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[test]
+fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
+    let skip = |why: &str| {
+        assert!(!require(), "DSPARK_REQUIRE_CLUSTER=1 but {why}");
+        eprintln!(
+            "SKIP: {why} (tests/cluster/cluster.sh up; eval \"$(tests/cluster/cluster.sh env)\")"
+        );
+    };
+    let Some(helm) = helm() else {
+        return skip("helm is not on PATH");
+    };
+    if std::env::var_os("KUBECONFIG").is_none() {
+        return skip("KUBECONFIG is not set");
+    }
+    let kubectl = helm.with_file_name("kubectl");
+    let k = |args: &[&str]| run(Command::new(&kubectl).args(args));
+    if k(&["get", "--raw", "/readyz"]).is_err() {
+        return skip("the apiserver does not answer");
+    }
+    // The operator binary next to this test's binary (cargo builds the workspace's bins).
+    let target = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .and_then(|p| p.parent())
+        .unwrap()
+        .to_path_buf();
+    let operator = std::env::var("DSPARK_OPERATOR_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| target.join("dspark-operator"));
+    if !operator.is_file() {
+        return skip(&format!(
+            "no operator binary at {} (cargo build --release -p dspark-operator, or set DSPARK_OPERATOR_BIN)",
+            operator.display()
+        ));
+    }
+    let t0 = Instant::now();
+    let ns = format!("dspark-chart-{}", std::process::id());
+    let release = "chart-test";
+    let cluster_dir =
+        std::env::var("DSPARK_CLUSTER_DIR").unwrap_or_else(|_| "/tmp/dspark-cluster".into());
+
+    // A kubelet for the fake nodes, unless `cluster.sh kubelet-up` already runs one.
+    let shared_kubelet = k(&[
+        "get",
+        "nodes",
+        "-l",
+        "dspark.dev/test-kubelet=true",
+        "-o",
+        "name",
+    ])
+    .map(|s| !s.trim().is_empty())
+    .unwrap_or(false)
+        && Path::new(&cluster_dir)
+            .join("run/dspark-test-kubelet.pid")
+            .exists();
+    let _kubelet = if shared_kubelet {
+        Kubelet(None)
+    } else {
+        k(&[
+            "label",
+            "node",
+            "-l",
+            "dspark.dev/fake-gpu-node=true",
+            "dspark.dev/chart-test=true",
+            "--overwrite",
+        ])
+        .unwrap();
+        let dir = std::env::temp_dir().join(format!("dspark-chart-kubelet-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = std::fs::File::create(dir.join("kubelet.log")).unwrap();
+        eprintln!("test kubelet log: {}", dir.join("kubelet.log").display());
+        let child = Command::new(env!("CARGO_BIN_EXE_dspark-test-kubelet"))
+            .args([
+                "--node-selector",
+                "dspark.dev/chart-test=true",
+                "--state-dir",
+            ])
+            .arg(&dir)
+            .arg("--binary")
+            .arg(format!("dspark-operator={}", operator.display()))
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap();
+        Kubelet(Some(child))
+    };
+    let node_label = if shared_kubelet {
+        "dspark.dev/test-kubelet"
+    } else {
+        "dspark.dev/chart-test"
+    };
+
+    let result = std::panic::catch_unwind(|| {
+        k(&["create", "namespace", &ns]).unwrap();
+        let values = [
+            "--set",
+            "image.repository=dspark/operator",
+            "--set",
+            "image.tag=dev",
+            "--set-string",
+            &format!("nodeSelector.{}=true", node_label.replace('.', "\\.")),
+            "--set",
+            "tolerations[0].key=nvidia.com/gpu",
+            "--set",
+            "tolerations[0].operator=Exists",
+            "--set",
+            "leaderElection.leaseSeconds=6",
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set",
+            "logLevel=info",
+        ];
+        let out = run(Command::new(&helm)
+            .args(["install", release])
+            .arg(chart())
+            .args(["-n", &ns, "--wait", "--timeout", "120s"])
+            .args(values))
+        .unwrap();
+        assert!(out.contains("helm test"), "NOTES.txt not shown: {out}");
+        eprintln!(
+            "[{:.1}s] installed; operator pod ready",
+            t0.elapsed().as_secs_f64()
+        );
+
+        // The operator (running as its ServiceAccount) holds the leader Lease.
+        let pod = k(&[
+            "get",
+            "pods",
+            "-n",
+            &ns,
+            "-l",
+            "app.kubernetes.io/component=operator",
+            "-o",
+            "jsonpath={.items[0].metadata.name}",
+        ])
+        .unwrap();
+        let holder = wait_for("the leader Lease", 60, || {
+            k(&[
+                "get",
+                "lease",
+                "-n",
+                &ns,
+                "chart-test-dspark-operator-leader",
+                "-o",
+                "jsonpath={.spec.holderIdentity}",
+            ])
+            .ok()
+            .filter(|h| !h.is_empty())
+        });
+        assert_eq!(holder, pod);
+        let ip = k(&[
+            "get",
+            "pod",
+            "-n",
+            &ns,
+            &pod,
+            "-o",
+            "jsonpath={.status.podIP}",
+        ])
+        .unwrap();
+        assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
+
+        // Its ClusterRole is enough to reconcile a DSparkDeployment (no engines: 0 replicas,
+        // no profiling, no autoscaling).
+        let dsd = r#"
+apiVersion: serving.dspark.dev/v1alpha1
+kind: DSparkDeployment
+metadata: {name: rbac-probe}
+spec:
+  model: {id: m, uri: /nonexistent/m.gguf}
+  engine: {image: dspark/engine:dev}
+  pools:
+    - {name: a100, nodeType: a100-80gb, minReplicas: 0, maxReplicas: 1}
+  replicas: 0
+  slo: {ttftP95Ms: 500, itlP95Ms: 50}
+  profiling: {enabled: false}
+  autoscaling: {enabled: false}
+"#;
+        let path = std::env::temp_dir().join(format!("{ns}-dsd.yaml"));
+        std::fs::write(&path, dsd).unwrap();
+        k(&["apply", "-n", &ns, "-f", path.to_str().unwrap()]).unwrap();
+        for obj in [
+            "deployment/rbac-probe-a100",
+            "service/rbac-probe-a100",
+            "poddisruptionbudget/rbac-probe-a100",
+            "configmap/rbac-probe-a100-cost-table",
+            "secret/rbac-probe-admin-token",
+        ] {
+            wait_for(&format!("the operator to create {obj}"), 60, || {
+                k(&["get", "-n", &ns, obj]).ok()
+            });
+        }
+        wait_for("a DSparkCostTable", 30, || {
+            k(&["get", "dsct", "-n", &ns, "-o", "name"])
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+        });
+        eprintln!(
+            "[{:.1}s] the operator reconciled a DSparkDeployment",
+            t0.elapsed().as_secs_f64()
+        );
+
+        // helm test: the hook pod GETs /healthz through the metrics Service.
+        let out = run(Command::new(&helm).args(["test", release, "-n", &ns, "--timeout", "90s"]))
+            .unwrap();
+        assert!(out.contains("Succeeded"), "{out}");
+        eprintln!("[{:.1}s] helm test passed", t0.elapsed().as_secs_f64());
+
+        k(&[
+            "delete",
+            "-n",
+            &ns,
+            "dsd",
+            "rbac-probe",
+            "--wait=true",
+            "--timeout=60s",
+        ])
+        .unwrap();
+        run(Command::new(&helm).args([
+            "uninstall",
+            release,
+            "-n",
+            &ns,
+            "--wait",
+            "--timeout",
+            "90s",
+        ]))
+        .unwrap();
+        wait_for("the operator pod to go", 60, || {
+            k(&[
+                "get",
+                "pods",
+                "-n",
+                &ns,
+                "-l",
+                "app.kubernetes.io/name=dspark-operator",
+                "-o",
+                "name",
+            ])
+            .ok()
+            .filter(|s| s.trim().is_empty())
+        });
+        let left = k(&[
+            "get",
+            "deploy,sa,role,rolebinding,service,networkpolicy",
+            "-n",
+            &ns,
+            "-l",
+            "app.kubernetes.io/instance=chart-test",
+            "-o",
+            "name",
+        ])
+        .unwrap();
+        assert!(left.trim().is_empty(), "left after uninstall: {left}");
+        let cluster_left = k(&[
+            "get",
+            "clusterrole,clusterrolebinding",
+            "-l",
+            "app.kubernetes.io/instance=chart-test",
+            "-o",
+            "name",
+        ])
+        .unwrap();
+        assert!(
+            cluster_left.trim().is_empty(),
+            "left after uninstall: {cluster_left}"
+        );
+        // Helm convention: the CRDs stay.
+        k(&[
+            "get",
+            "crd",
+            "dsparkdeployments.serving.dspark.dev",
+            "dsparkcosttables.serving.dspark.dev",
+        ])
+        .unwrap();
+        eprintln!(
+            "[{:.1}s] uninstalled; only the CRDs remain",
+            t0.elapsed().as_secs_f64()
+        );
+    });
+    let _ = Command::new(&helm)
+        .args([
+            "uninstall",
+            release,
+            "-n",
+            &ns,
+            "--wait",
+            "--timeout",
+            "60s",
+        ])
+        .output();
+    let _ = k(&["delete", "namespace", &ns, "--wait=true", "--timeout=60s"]);
+    if !shared_kubelet {
+        let _ = k(&[
+            "label",
+            "node",
+            "-l",
+            "dspark.dev/chart-test=true",
+            "dspark.dev/chart-test-",
+        ]);
+    }
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+    eprintln!("chart test took {:.1}s", t0.elapsed().as_secs_f64());
+}
