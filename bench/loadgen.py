@@ -109,6 +109,9 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     itl: list[float] = field(default_factory=list)
+    # dspark-engine's usage extension (speculative decoding); 0 for other servers
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def decode_rate(self) -> float | None:
         """Per-user decode speed: tokens after the first chunk / time from first to last
@@ -166,6 +169,8 @@ async def one_request(session, base, args, prompt, level, t_level) -> Result:
                     u = ev.get("usage")
                     if u and u.get("completion_tokens") is not None:
                         usage_tokens = int(u["completion_tokens"])
+                        r.draft_tokens = int(u.get("draft_tokens") or 0)
+                        r.accepted_draft_tokens = int(u.get("accepted_draft_tokens") or 0)
                     for ch in ev.get("choices") or []:
                         delta = ch.get("delta") or {}
                         if delta.get("content"):
@@ -305,12 +310,17 @@ def summarize(level, mode, value, results, wall, dropped) -> dict:
         "itl_ms": {f"p{q}": (pct(itl, q) or 0) * 1e3 if itl else None for q in (50, 95, 99)},
         "e2e_ms_p50": pct(e2e, 50) * 1e3 if e2e else None,
         "mean_output_tokens": toks / len(ok) if ok else 0.0,
+        "draft_tokens": sum(r.draft_tokens for r in ok),
+        "accepted_draft_tokens": sum(r.accepted_draft_tokens for r in ok),
+        # draft tokens accepted / verified (None when the server did not speculate)
+        "acceptance": (sum(r.accepted_draft_tokens for r in ok) / sum(r.draft_tokens for r in ok))
+        if sum(r.draft_tokens for r in ok) else None,
     }
 
 
 HEADER = ("| level | req | err | out tok | tok/s | per-user tok/s | TTFT p50/p95/p99 ms "
-          "| ITL p50/p95/p99 ms | e2e p50 ms |\n"
-          "|---|---:|---:|---:|---:|---:|---|---|---:|")
+          "| ITL p50/p95/p99 ms | e2e p50 ms | accept % |\n"
+          "|---|---:|---:|---:|---:|---:|---|---|---:|---:|")
 
 
 def fmt(x, nd=1):
@@ -323,7 +333,8 @@ def row(s) -> str:
     return (f"| {s['level']} | {s['requests']} | {err} | {s['output_tokens']}"
             f"{'~' if s['tokens_estimated'] else ''} | {fmt(s['throughput_tok_s'])} "
             f"| {fmt(s['per_user_tok_s_p50'])} | {fmt(t['p50'])} / {fmt(t['p95'])} / {fmt(t['p99'])} "
-            f"| {fmt(i['p50'], 2)} / {fmt(i['p95'], 2)} / {fmt(i['p99'], 2)} | {fmt(s['e2e_ms_p50'], 0)} |")
+            f"| {fmt(i['p50'], 2)} / {fmt(i['p95'], 2)} / {fmt(i['p99'], 2)} | {fmt(s['e2e_ms_p50'], 0)} "
+            f"| {fmt(None if s.get('acceptance') is None else 100 * s['acceptance'])} |")
 
 
 def plot(summaries, path, title):

@@ -161,6 +161,12 @@ struct Seq {
     accepted_tokens: usize,
     /// Block table of this sequence in the drafter's context cache.
     draft_blocks: Vec<u32>,
+    /// A deterministic draft that was not verified (the policy chose length 0), kept to be
+    /// checked against the tokens the target commits next: `(position of its first token,
+    /// tokens)`. For a point-mass draft the chance that the target's own token matches is
+    /// exactly the chance verification would have accepted it, so this keeps the live
+    /// acceptance rates honest while the scheduler is not verifying.
+    shadow: Option<(usize, Vec<u32>)>,
 }
 
 impl Seq {
@@ -284,6 +290,7 @@ impl Engine {
             draft_tokens: 0,
             accepted_tokens: 0,
             draft_blocks: Vec::new(),
+            shadow: None,
             req,
         });
     }
@@ -518,7 +525,6 @@ impl Engine {
                 self.metrics.committed_tokens.inc_by(commit.len() as u64);
             }
             if drafted > 0 {
-                self.acceptance.record(drafted, accepted);
                 s.draft_tokens += drafted;
                 s.accepted_tokens += accepted;
                 self.metrics.spec_drafts.inc();
@@ -533,6 +539,10 @@ impl Engine {
                         .inc();
                 }
             }
+            if drafted > 0 {
+                self.record_acceptance(drafted, accepted);
+            }
+            let s = &mut self.running[i];
             let gap = s
                 .last_token
                 .map(|t| t.elapsed().as_secs_f64() / commit.len() as f64);
@@ -542,6 +552,7 @@ impl Engine {
                     break;
                 }
             }
+            self.resolve_shadow(i);
         }
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason) in finished {
@@ -671,10 +682,49 @@ impl Engine {
             if let Some(p) = proposals.remove(&i) {
                 if l > 0 {
                     out.insert(i, p.truncated(l));
+                } else if self.cfg.speculation == Speculation::Ngram {
+                    let s = &mut self.running[i];
+                    if s.shadow.is_none() {
+                        s.shadow = Some((s.tokens.len(), p.tokens));
+                    }
                 }
             }
         }
         out
+    }
+
+    /// Scores a pending shadow draft of sequence `i` once the committed tokens decide it.
+    fn resolve_shadow(&mut self, i: usize) {
+        let s = &mut self.running[i];
+        let Some((start, draft)) = &s.shadow else {
+            return;
+        };
+        let known = s.tokens.len().saturating_sub(*start);
+        let matched = draft
+            .iter()
+            .zip(&s.tokens[(*start).min(s.tokens.len())..])
+            .take_while(|(a, b)| a == b)
+            .count();
+        if matched < known.min(draft.len()) {
+            // First mismatch at `matched`: positions 0..=matched were decided.
+            s.shadow = None;
+            self.record_acceptance(matched + 1, matched);
+        } else if matched == draft.len() {
+            let n = draft.len();
+            s.shadow = None;
+            self.record_acceptance(n, n);
+        }
+    }
+
+    /// Updates the live per-position acceptance rates and their gauges.
+    fn record_acceptance(&mut self, verified: usize, accepted: usize) {
+        self.acceptance.record(verified, accepted);
+        for k in 0..verified.min(accepted + 1).min(16) {
+            self.metrics
+                .live_acceptance
+                .get_or_create(&PositionLabel { position: k as u32 })
+                .set(self.acceptance.rate(k) as f64);
+        }
     }
 
     /// A draft block for decoding sequence `i` from a training-free drafter, within `room`

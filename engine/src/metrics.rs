@@ -56,6 +56,9 @@ pub struct Metrics {
     /// 1 for the source of the table in force, 0 for the others.
     pub cost_table_source: Family<SourceLabel, Gauge>,
     pub cost_table_refusals: Counter,
+    /// Live conditional acceptance rate per draft position (decayed; includes drafts the
+    /// scheduler did not verify, scored against the committed tokens).
+    pub live_acceptance: Family<PositionLabel, Gauge<f64, AtomicU64>>,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -102,6 +105,7 @@ impl Metrics {
             cost_table_revision: Gauge::default(),
             cost_table_source: Family::default(),
             cost_table_refusals: Counter::default(),
+            live_acceptance: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -229,6 +233,11 @@ impl Metrics {
             "dspark_cost_table_refusals",
             "Cost tables refused (malformed, non-monotone, incompatible)",
             m.cost_table_refusals.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_live_acceptance_rate",
+            "Live conditional acceptance rate per draft position (decayed)",
+            m.live_acceptance.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -214,4 +214,7 @@ fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
         "{m}"
     );
     assert!(m.contains("source=\"admin\"} 1"), "{m}");
+    // Unverified n-gram drafts are still scored against the committed tokens.
+    let live = metric(&m, "dspark_spec_decode_live_acceptance_rate");
+    assert!(live > 0.0 && live < 1.0, "{m}");
 }

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Verify-policy sweep: the same engine, drafter and prompts under each `--policy`, over a
+range of concurrency levels, to compare throughput against per-user speed (the Pareto view
+of the DSpark paper) and check the scheduler's claim: `dspark` at or above the best other
+policy at every load, and ahead of fixed gamma=16 at the highest load.
+
+For each policy it starts `dspark-engine serve` on a loopback port with one shared SPS(B)
+cost table (measured with `dspark-engine profile` first unless --cost-table is given), runs
+bench/loadgen.py (closed loop) at each concurrency level, stops the engine, and finally
+prints one markdown table and writes a PNG (per-user tok/s vs total tok/s, one curve per
+policy) and a JSON with every summary.
+
+Example (what docs/benchmarks.md records):
+  python3 bench/policy_sweep.py --model ~/.cache/dspark/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --speculation ngram --concurrency 1,4,16,64 --duration 20 --out /tmp/sweep
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_POLICIES = "none,fixed:4,fixed:8,fixed:16,threshold:0.4,dspark"
+
+
+def policy_args(spec: str, gamma_max: int, speculation: str) -> tuple[str, list[str]]:
+    """`none` | `fixed:G` | `threshold:T` | `dspark` -> (label, serve args)."""
+    kind, _, val = spec.partition(":")
+    if kind == "none":
+        return "none", ["--speculation", "none"]
+    base = ["--speculation", speculation]
+    if kind == "fixed":
+        g = int(val or 4)
+        return f"fixed γ={g}", base + ["--policy", "fixed", "--gamma", str(g)]
+    if kind == "threshold":
+        t = float(val or 0.4)
+        return f"threshold {t}", base + ["--policy", "threshold", "--gamma", str(gamma_max),
+                                        "--threshold", str(t)]
+    if kind == "dspark":
+        return "dspark", base + ["--policy", "dspark", "--gamma", str(gamma_max)]
+    raise SystemExit(f"policy_sweep: unknown policy {spec!r} (none, fixed:G, threshold:T, dspark)")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"policy_sweep: engine exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit("policy_sweep: engine not ready in time")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--bin", default=os.environ.get("DSPARK_ENGINE_BIN") or str(
+        Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "dspark-engine"))
+    ap.add_argument("--speculation", default="ngram")
+    ap.add_argument("--drafter")
+    ap.add_argument("--policies", default=DEFAULT_POLICIES)
+    ap.add_argument("--gamma-max", type=int, default=16,
+                    help="block size for threshold and dspark (the longest they may verify)")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--duration", type=float, default=20)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prompts", default=str(REPO / "tests" / "peer" / "prompts.jsonl"))
+    ap.add_argument("--cost-table", help="use this table instead of profiling first")
+    ap.add_argument("--profile-max-batch", type=int, default=128)
+    ap.add_argument("--port", type=int, default=18200)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = args.cost_table
+    if not table:
+        table = str(out / "cost-table.json")
+        print(f"# profiling SPS(B) up to B={args.profile_max_batch} -> {table}", flush=True)
+        subprocess.run([args.bin, "profile", "--model", args.model, "--max-batch",
+                        str(args.profile_max_batch), "--output", table], check=True)
+    ct = json.loads(Path(table).read_text())
+    print("# cost table: " + ", ".join(f"SPS({b})={s:.1f}" for b, s in ct["points"]))
+
+    results = []
+    for spec in args.policies.split(","):
+        label, pargs = policy_args(spec.strip(), args.gamma_max, args.speculation)
+        url = f"http://127.0.0.1:{args.port}"
+        cmd = [args.bin, "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
+               str(args.port), "--served-model-name", "bench", "--cost-table", table,
+               "--max-running", "64", *pargs]
+        if args.drafter and spec != "none":
+            cmd += ["--drafter", args.drafter]
+        log = open(out / f"serve-{spec.replace(':', '-')}.log", "w")
+        print(f"# {label}: {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(url, proc)
+            jpath = out / f"loadgen-{spec.replace(':', '-')}.json"
+            subprocess.run([sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
+                            "--model", "bench", "--concurrency", args.concurrency,
+                            "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+                            "--temperature", str(args.temperature), "--ignore-eos",
+                            "--prompts", args.prompts, "--json-out", str(jpath)], check=True)
+            data = json.loads(jpath.read_text())
+            for s in data["summaries"]:
+                results.append({"policy": label, "spec": spec, **s})
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+        time.sleep(1)
+
+    (out / "sweep.json").write_text(json.dumps({"cost_table": ct, "results": results}, indent=1))
+    print()
+    print("| policy | streams | tok/s | per-user tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | accept % |")
+    print("|---|---:|---:|---:|---|---|---:|")
+    for r in results:
+        acc = "-" if r.get("acceptance") is None else f"{100 * r['acceptance']:.1f}"
+        pu = r["per_user_tok_s_p50"] or 0
+        print(f"| {r['policy']} | {r['value']} | {r['throughput_tok_s']:.1f} | {pu:.1f} "
+              f"| {r['ttft_ms']['p50'] or 0:.0f} / {r['ttft_ms']['p95'] or 0:.0f} "
+              f"| {r['itl_ms']['p50'] or 0:.1f} / {r['itl_ms']['p95'] or 0:.1f} | {acc} |")
+    # The scheduler's claim, per load level.
+    levels = sorted({r["value"] for r in results}, key=float)
+    if any(r["spec"] == "dspark" for r in results):
+        print()
+        print("| streams | dspark tok/s | best other | ratio | vs fixed γ=16 |")
+        print("|---:|---:|---|---:|---:|")
+        for lv in levels:
+            at = [r for r in results if r["value"] == lv]
+            d = next((r for r in at if r["spec"] == "dspark"), None)
+            others = [r for r in at if r["spec"] != "dspark"]
+            if not d or not others:
+                continue
+            best = max(others, key=lambda r: r["throughput_tok_s"])
+            f16 = next((r for r in at if r["spec"] == "fixed:16"), None)
+            vs16 = f"{d['throughput_tok_s'] / f16['throughput_tok_s']:.2f}x" if f16 else "-"
+            print(f"| {lv} | {d['throughput_tok_s']:.1f} | {best['policy']} {best['throughput_tok_s']:.1f} "
+                  f"| {d['throughput_tok_s'] / best['throughput_tok_s']:.2f} | {vs16} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for label in dict.fromkeys(r["policy"] for r in results):
+            rs = [r for r in results if r["policy"] == label]
+            xs = [r["per_user_tok_s_p50"] or 0 for r in rs]
+            ys = [r["throughput_tok_s"] for r in rs]
+            ax.plot(xs, ys, "o-", label=label, linewidth=2.5 if label == "dspark" else 1.2)
+            for r, x, y in zip(rs, xs, ys):
+                ax.annotate(str(r["value"]), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+        ax.set_xlabel("per-user tok/s (median decode rate)")
+        ax.set_ylabel("total output tok/s")
+        ax.set_title(f"verify policies, {args.speculation} drafter (labels: concurrent streams)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "sweep.png", dpi=120)
+        print(f"\n# wrote {out / 'sweep.png'} and {out / 'sweep.json'}")
+    except ImportError:
+        print("# matplotlib missing: no PNG")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
