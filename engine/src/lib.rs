@@ -10,6 +10,7 @@
 pub mod chat;
 pub mod cost;
 pub mod engine;
+pub mod kernels;
 pub mod kv;
 pub mod metrics;
 pub mod model;

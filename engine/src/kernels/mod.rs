@@ -1,0 +1,189 @@
+//! CPU quantized matmul: `y[m, n] = x[m, k] · W[n, k]ᵀ` straight from ggml weight blocks.
+//!
+//! Unlike a row-by-row GEMV, the activations are quantised ONCE per call (Q8_0/Q8_1 for the
+//! 32-blocks, Q8_K for K-quants, with ggml's rounding so results match llama.cpp) and each
+//! weight block is read once for a tile of 4 input rows, so a verify batch of several tokens
+//! costs little more than one token. Output rows are split over rayon's global pool.
+//!
+//! - [`blocks`]: weight block layouts (ggml's) and their dequantisation (the test reference).
+//! - [`q8`]: activation quantisation.
+//! - [`dot`]: scalar and AVX2/FMA block dot products, R = 1..=4 input rows per weight row.
+//! - [`matmul`]: the tiled, parallel driver.
+//!
+//! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
+//! `QMatMul` (see `model::linear`).
+
+pub mod blocks;
+pub mod dot;
+pub mod matmul;
+pub mod q8;
+
+use candle_core::quantized::GgmlDType;
+pub use matmul::Isa;
+
+/// Weight types with a kernel here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QType {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+impl QType {
+    pub const ALL: [QType; 7] = [
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q8_0,
+        QType::Q4K,
+        QType::Q6K,
+    ];
+
+    pub fn from_ggml(t: GgmlDType) -> Option<Self> {
+        Some(match t {
+            GgmlDType::Q4_0 => QType::Q4_0,
+            GgmlDType::Q4_1 => QType::Q4_1,
+            GgmlDType::Q5_0 => QType::Q5_0,
+            GgmlDType::Q5_1 => QType::Q5_1,
+            GgmlDType::Q8_0 => QType::Q8_0,
+            GgmlDType::Q4K => QType::Q4K,
+            GgmlDType::Q6K => QType::Q6K,
+            _ => return None,
+        })
+    }
+
+    pub fn ggml(self) -> GgmlDType {
+        match self {
+            QType::Q4_0 => GgmlDType::Q4_0,
+            QType::Q4_1 => GgmlDType::Q4_1,
+            QType::Q5_0 => GgmlDType::Q5_0,
+            QType::Q5_1 => GgmlDType::Q5_1,
+            QType::Q8_0 => GgmlDType::Q8_0,
+            QType::Q4K => GgmlDType::Q4K,
+            QType::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// Weights per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            QType::Q4K | QType::Q6K => blocks::QK_K,
+            _ => blocks::QK,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        use std::mem::size_of;
+        match self {
+            QType::Q4_0 => size_of::<blocks::BlockQ4_0>(),
+            QType::Q4_1 => size_of::<blocks::BlockQ4_1>(),
+            QType::Q5_0 => size_of::<blocks::BlockQ5_0>(),
+            QType::Q5_1 => size_of::<blocks::BlockQ5_1>(),
+            QType::Q8_0 => size_of::<blocks::BlockQ8_0>(),
+            QType::Q4K => size_of::<blocks::BlockQ4K>(),
+            QType::Q6K => size_of::<blocks::BlockQ6K>(),
+        }
+    }
+}
+
+/// A borrowed `[n, k]` weight matrix in ggml blocks, row-major (row j = output column j).
+#[derive(Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub ty: QType,
+    pub n: usize,
+    pub k: usize,
+    data: &'a [u8],
+}
+
+fn cast<W>(data: &[u8]) -> &[W] {
+    assert_eq!(
+        data.as_ptr() as usize % std::mem::align_of::<W>(),
+        0,
+        "misaligned weight blocks"
+    );
+    // SAFETY: the block structs are plain old data (integers only, repr(C)), any bit pattern is
+    // valid; length and alignment are checked.
+    unsafe {
+        std::slice::from_raw_parts(
+            data.as_ptr() as *const W,
+            data.len() / std::mem::size_of::<W>(),
+        )
+    }
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `data` holds exactly `n * k` weights of type `ty`.
+    pub fn new(ty: QType, n: usize, k: usize, data: &'a [u8]) -> Result<Self, String> {
+        if !k.is_multiple_of(ty.block_size()) {
+            return Err(format!(
+                "{ty:?} rows of {k} are not a whole number of blocks"
+            ));
+        }
+        let want = n * (k / ty.block_size()) * ty.type_size();
+        if data.len() != want {
+            return Err(format!(
+                "{ty:?} [{n}, {k}] needs {want} bytes, got {}",
+                data.len()
+            ));
+        }
+        if !(data.as_ptr() as usize).is_multiple_of(2) {
+            return Err("weight blocks are not 2-byte aligned".into());
+        }
+        Ok(Self { ty, n, k, data })
+    }
+
+    /// `out[m, n] = x[m, k] · Wᵀ` with the best instruction set of this CPU.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        self.matmul_isa(x, m, out, Isa::detect())
+    }
+
+    /// As [`Self::matmul`] with a chosen instruction set (tests compare them).
+    /// `Isa::Avx2` on a CPU without it falls back to scalar.
+    pub fn matmul_isa(&self, x: &[f32], m: usize, out: &mut [f32], isa: Isa) {
+        let isa = if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
+            Isa::Scalar
+        } else {
+            isa
+        };
+        let (n, k, d) = (self.n, self.k, self.data);
+        match self.ty {
+            QType::Q4_0 => matmul::matmul::<dot::Q4_0>(cast(d), n, k, x, m, out, isa),
+            QType::Q4_1 => matmul::matmul::<dot::Q4_1>(cast(d), n, k, x, m, out, isa),
+            QType::Q5_0 => matmul::matmul::<dot::Q5_0>(cast(d), n, k, x, m, out, isa),
+            QType::Q5_1 => matmul::matmul::<dot::Q5_1>(cast(d), n, k, x, m, out, isa),
+            QType::Q8_0 => matmul::matmul::<dot::Q8_0>(cast(d), n, k, x, m, out, isa),
+            QType::Q4K => matmul::matmul::<dot::Q4K>(cast(d), n, k, x, m, out, isa),
+            QType::Q6K => matmul::matmul::<dot::Q6K>(cast(d), n, k, x, m, out, isa),
+        }
+    }
+
+    /// The weights as f32 `[n, k]` (the reference for tests).
+    pub fn dequantize(&self) -> Vec<f32> {
+        fn go<W: blocks::Dequant>(d: &[u8], len: usize) -> Vec<f32> {
+            let mut out = vec![0f32; len];
+            for (b, o) in cast::<W>(d).iter().zip(out.chunks_mut(W::BLOCK)) {
+                b.dequant(o);
+            }
+            out
+        }
+        let (d, len) = (self.data, self.n * self.k);
+        match self.ty {
+            QType::Q4_0 => go::<blocks::BlockQ4_0>(d, len),
+            QType::Q4_1 => go::<blocks::BlockQ4_1>(d, len),
+            QType::Q5_0 => go::<blocks::BlockQ5_0>(d, len),
+            QType::Q5_1 => go::<blocks::BlockQ5_1>(d, len),
+            QType::Q8_0 => go::<blocks::BlockQ8_0>(d, len),
+            QType::Q4K => go::<blocks::BlockQ4K>(d, len),
+            QType::Q6K => go::<blocks::BlockQ6K>(d, len),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

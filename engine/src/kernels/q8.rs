@@ -1,0 +1,88 @@
+//! Activation quantisation, done once per input row and shared by every output row.
+//!
+//! The arithmetic follows ggml's x86 path so that results match llama.cpp's:
+//! - [`Q8Block`] (for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 weights) is ggml's `block_q8_0`/`block_q8_1`:
+//!   `d = amax / 127` rounded to f16, `q = round_half_even(x * 127 / amax)`, and for the
+//!   weight types with a min, `s = f16(d * sum(q))`. Scales are stored already widened to f32.
+//! - [`Q8KBlock`] (for K-quants) is ggml's `block_q8_K` (`quantize_row_q8_K_ref`): the scale
+//!   comes from the signed value of largest magnitude, `d` stays f32, and `bsums` holds the
+//!   sums of each 16 quants.
+
+use super::blocks::{QK, QK_K};
+use half::f16;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Q8Block {
+    pub d: f32,
+    pub s: f32,
+    pub qs: [i8; QK],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Q8KBlock {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; QK_K / 16],
+}
+
+impl Default for Q8KBlock {
+    fn default() -> Self {
+        Self {
+            d: 0.0,
+            qs: [0; QK_K],
+            bsums: [0; QK_K / 16],
+        }
+    }
+}
+
+#[inline(always)]
+fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+/// Quantises `x` (a multiple of 32 long) into `out` (`x.len() / 32` blocks).
+pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
+    debug_assert_eq!(x.len(), out.len() * QK);
+    for (xb, y) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        let amax = xb.iter().fold(0f32, |a, &v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in y.qs.iter_mut().zip(xb) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r as i8;
+            sum += r;
+        }
+        y.d = round_f16(d);
+        y.s = round_f16(d * sum as f32);
+    }
+}
+
+/// Quantises `x` (a multiple of 256 long) into `out` (`x.len() / 256` blocks).
+pub fn quantize_q8k(x: &[f32], out: &mut [Q8KBlock]) {
+    debug_assert_eq!(x.len(), out.len() * QK_K);
+    for (xb, y) in x.chunks_exact(QK_K).zip(out.iter_mut()) {
+        let mut amax = 0f32;
+        let mut max = 0f32;
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *y = Q8KBlock::default();
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in y.qs.iter_mut().zip(xb) {
+            *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+        }
+        for (s, q) in y.bsums.iter_mut().zip(y.qs.chunks_exact(16)) {
+            *s = q.iter().map(|&v| v as i16).sum();
+        }
+        y.d = 1.0 / iscale;
+    }
+}
