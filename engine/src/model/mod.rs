@@ -8,13 +8,15 @@
 
 pub mod attention;
 pub mod config;
+pub mod linear;
 pub mod weights;
 
 use crate::kv::KvCache;
 use anyhow::{Context, Result};
 use attention::{AttnSeq, PagedAttention};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 pub use config::{Activation, Arch, ModelConfig};
+pub use linear::Linear;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 pub use weights::{Embedding, Weights};

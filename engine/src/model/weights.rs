@@ -1,11 +1,12 @@
 //! Loading model weights from a GGUF file or a Hugging Face folder (`*.safetensors`).
 //!
-//! Quantized GGUF tensors stay quantized ([`QMatMul`]); dense checkpoints are converted to
-//! f32. Every failure names the file and what is wrong with it.
+//! Quantized GGUF tensors stay quantized ([`Linear`]: the CPU kernels or candle's `QMatMul`);
+//! dense checkpoints are converted to f32. Every failure names the file and what is wrong with it.
 
 use super::config::{Arch, ModelConfig};
+use super::linear::Linear;
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::quantized::{gguf_file, GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -30,25 +31,25 @@ impl Embedding {
 
 pub struct LayerWeights {
     pub attn_norm: Tensor,
-    pub wq: QMatMul,
-    pub wk: QMatMul,
-    pub wv: QMatMul,
-    pub wo: QMatMul,
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    pub wo: Linear,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
     pub post_attn_norm: Option<Tensor>,
     pub ffn_norm: Tensor,
     pub post_ffn_norm: Option<Tensor>,
-    pub gate: QMatMul,
-    pub up: QMatMul,
-    pub down: QMatMul,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
 }
 
 pub struct Weights {
     pub embed: Embedding,
     pub layers: Vec<LayerWeights>,
     pub final_norm: Tensor,
-    pub lm_head: QMatMul,
+    pub lm_head: Linear,
     /// Human-readable weight type, e.g. "q4_1" or "f32".
     pub dtype: String,
 }
@@ -111,15 +112,15 @@ impl GgufReader<'_> {
             .with_context(|| format!("{}: cannot dequantize '{name}'", self.path.display()))
     }
 
-    fn linear(&mut self, name: &str) -> Result<QMatMul> {
-        QMatMul::from_qtensor(self.qtensor(name)?)
+    fn linear(&mut self, name: &str) -> Result<Linear> {
+        Linear::from_qtensor(self.qtensor(name)?)
             .with_context(|| format!("{}: bad weight '{name}'", self.path.display()))
     }
 
     /// Llama GGUF files store q/k rows permuted for interleaved RoPE; undo it so every
     /// family uses the same (half-split) RoPE. Rows of a quantized tensor are whole blocks,
     /// so this is a byte shuffle, not a requantization.
-    fn linear_unpermuted(&mut self, name: &str, n_heads: usize) -> Result<QMatMul> {
+    fn linear_unpermuted(&mut self, name: &str, n_heads: usize) -> Result<Linear> {
         let q = self.qtensor(name)?;
         let (rows, cols) = q.shape().dims2()?;
         let dtype = q.dtype();
@@ -138,7 +139,7 @@ impl GgufReader<'_> {
             }
         }
         let storage = QStorage::from_data(Cow::Owned(out), self.device, dtype)?;
-        Ok(QMatMul::from_qtensor(QTensor::new(storage, (rows, cols))?)?)
+        Ok(Linear::from_qtensor(QTensor::new(storage, (rows, cols))?)?)
     }
 }
 
@@ -214,7 +215,7 @@ pub fn load_gguf(
     let lm_head = if r.has("output.weight") {
         r.linear("output.weight")?
     } else {
-        QMatMul::from_arc(embed.clone())?
+        Linear::from_arc(embed.clone())?
     };
     progress(total, total);
     let embed = if embed.dtype() == GgmlDType::F32 {
@@ -282,7 +283,7 @@ pub fn load_hf(
         let t = get(name)?;
         Ok(if gemma { (t + 1.0)? } else { t })
     };
-    let lin = |name: &str| -> Result<QMatMul> { Ok(QMatMul::Tensor(get(name)?)) };
+    let lin = |name: &str| -> Result<Linear> { Ok(Linear::dense(get(name)?)) };
     let total = cfg.num_layers + 2;
     let embed = get("model.embed_tokens.weight")?;
     progress(1, total);
@@ -332,7 +333,7 @@ pub fn load_hf(
     let lm_head = if has("lm_head.weight") {
         lin("lm_head.weight")?
     } else {
-        QMatMul::Tensor(embed.clone())
+        Linear::dense(embed.clone())
     };
     progress(total, total);
     Ok(Weights {

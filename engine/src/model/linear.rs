@@ -1,0 +1,129 @@
+//! `Linear`: the model's weight matrices, `y[.., n] = x[.., k] · Wᵀ`.
+//!
+//! On CPU, quantized weights of a type with a kernel in [`crate::kernels`] (Q4_0, Q4_1, Q5_0,
+//! Q5_1, Q8_0, Q4_K, Q6_K) go through it, reading the QTensor's blocks in place (no copy).
+//! Everything else (other GGUF types, dense F32/F16/BF16 checkpoints, non-CPU devices) uses
+//! candle's `QMatMul`; the CPU fallback for a quantized type is logged once per type.
+//!
+//! `Linear` derefs to the wrapped `QMatMul`, so code that wants candle's type (e.g. to slice
+//! rows of the LM head) still can.
+
+use crate::kernels::{QMatrix, QType};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use std::sync::Arc;
+
+pub struct Linear {
+    inner: QMatMul,
+    kernel: Option<KernelOp>,
+}
+
+/// The kernel path as a candle custom op (gets the input's CPU storage without copies).
+struct KernelOp {
+    w: Arc<QTensor>,
+    ty: QType,
+    n: usize,
+    k: usize,
+}
+
+fn log_fallback(dtype: GgmlDType) {
+    static SEEN: std::sync::Mutex<Vec<GgmlDType>> = std::sync::Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if !seen.contains(&dtype) {
+        seen.push(dtype);
+        tracing::info!("no CPU kernel for {dtype:?} weights; those matmuls use candle's QMatMul");
+    }
+}
+
+impl Linear {
+    pub fn from_qmatmul(inner: QMatMul) -> Self {
+        let kernel = match &inner {
+            QMatMul::QTensor(q) if q.device().is_cpu() => {
+                let dt = q.dtype();
+                match (QType::from_ggml(dt), q.shape().dims2()) {
+                    (Some(ty), Ok((n, k))) if k.is_multiple_of(ty.block_size()) => Some(KernelOp {
+                        w: q.clone(),
+                        ty,
+                        n,
+                        k,
+                    }),
+                    _ => {
+                        log_fallback(dt);
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        Self { inner, kernel }
+    }
+
+    pub fn from_qtensor(q: QTensor) -> Result<Self> {
+        Ok(Self::from_qmatmul(QMatMul::from_qtensor(q)?))
+    }
+
+    pub fn from_arc(q: Arc<QTensor>) -> Result<Self> {
+        Ok(Self::from_qmatmul(QMatMul::from_arc(q)?))
+    }
+
+    /// Dense weights `[n, k]` (kept as they are; candle's matmul).
+    pub fn dense(w: Tensor) -> Self {
+        Self::from_qmatmul(QMatMul::Tensor(w))
+    }
+
+    /// Whether calls go through [`crate::kernels`].
+    pub fn uses_kernel(&self) -> bool {
+        self.kernel.is_some()
+    }
+
+    /// `x [.., k]` (f32) -> `[.., n]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.kernel {
+            Some(op) if x.dtype() == DType::F32 && x.device().is_cpu() => {
+                if x.is_contiguous() {
+                    x.apply_op1_no_bwd(op)
+                } else {
+                    x.contiguous()?.apply_op1_no_bwd(op)
+                }
+            }
+            _ => self.inner.forward(x),
+        }
+    }
+}
+
+impl std::ops::Deref for Linear {
+    type Target = QMatMul;
+    fn deref(&self) -> &QMatMul {
+        &self.inner
+    }
+}
+
+impl CustomOp1 for KernelOp {
+    fn name(&self) -> &'static str {
+        "dspark-qmatmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let Some(off) = layout.contiguous_offsets() else {
+            candle_core::bail!("dspark-qmatmul: input is not contiguous")
+        };
+        let x = &storage.as_slice::<f32>()?[off.0..off.1];
+        let dims = layout.shape().dims();
+        match dims.last() {
+            Some(&k) if k == self.k => {}
+            _ => candle_core::bail!(
+                "dspark-qmatmul: input {:?} does not end in k = {}",
+                dims,
+                self.k
+            ),
+        }
+        let m = x.len() / self.k;
+        let data = self.w.data()?;
+        let w = QMatrix::new(self.ty, self.n, self.k, &data).map_err(candle_core::Error::msg)?;
+        let mut out = vec![0f32; m * self.n];
+        w.matmul(x, m, &mut out);
+        let mut shape = dims.to_vec();
+        *shape.last_mut().expect("rank >= 1") = self.n;
+        Ok((CpuStorage::F32(out), Shape::from(shape)))
+    }
+}
