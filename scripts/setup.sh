@@ -30,3 +30,33 @@ for m in SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-Q4_K_M; do
     echo "reference $m present"
   fi
 done
+
+step "prometheus (tests/otel)"
+# Debian's package: prometheus + promtool for tests/otel (scrapes a real engine, checks every
+# PromQL expression of config/grafana and config/prometheus). Installed without starting the
+# packaged service (it would listen on all interfaces): a policy-rc.d that denies starts is
+# put in place for the install when the machine has none.
+if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+  echo "prometheus present ($(prometheus --version 2>&1 | head -n 1))"
+else
+  policy_created=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    policy_created=1
+  fi
+  apt_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus; }
+  apt_install || { apt-get update && apt_install; }
+  if [ "$policy_created" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  if command -v systemctl >/dev/null && systemctl is-active --quiet prometheus 2>/dev/null; then
+    systemctl stop prometheus || true
+  fi
+fi
+
+step "opentelemetry collector (tests/otel)"
+# Built once from Go modules into ${DSPARK_CACHE}/otel/<key>/bin/otelcol (~2.5 min cold on
+# 2 cores; a cached key returns at once).
+if command -v go >/dev/null; then
+  tests/otel/otelcol.sh build
+else
+  echo "go not found: skipping the collector build (tests/otel/test_collector.py will fail)"
+fi
