@@ -15,6 +15,7 @@ use crate::spec::dspark::{DSparkDrafter, DraftRequest};
 use crate::spec::{ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
+use dspark_telemetry::TRACE_TARGET;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::{HashMap, VecDeque};
@@ -109,6 +110,11 @@ pub struct GenRequest {
     pub ignore_eos: bool,
     pub events: UnboundedSender<Event>,
     pub arrived: Instant,
+    /// The request's trace span (`{operation} {model}`); the engine adds the queue,
+    /// prefill and decode phases as children and one event per speculation cycle.
+    pub span: tracing::Span,
+    /// GenAI operation name: `chat` or `text_completion`.
+    pub operation: &'static str,
 }
 
 /// The HTTP side's handle on the engine thread.
@@ -167,9 +173,16 @@ struct Seq {
     /// exactly the chance verification would have accepted it, so this keeps the live
     /// acceptance rates honest while the scheduler is not verifying.
     shadow: Option<(usize, Vec<u32>)>,
+    /// The current phase's child span of the request span: queue, prefill, then decode.
+    phase: tracing::Span,
 }
 
 impl Seq {
+    /// Ends the current phase span and starts `name` (a no-op when tracing is off).
+    fn enter_phase(&mut self, name: &'static str) {
+        self.phase = tracing::info_span!(target: TRACE_TARGET, parent: &self.req.span, "phase", otel.name = name);
+    }
+
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -291,6 +304,7 @@ impl Engine {
             accepted_tokens: 0,
             draft_blocks: Vec::new(),
             shadow: None,
+            phase: tracing::info_span!(target: TRACE_TARGET, parent: &req.span, "phase", otel.name = "queue"),
             req,
         });
     }
@@ -352,6 +366,11 @@ impl Engine {
                     .observe(s.req.arrived.elapsed().as_secs_f64());
                 s.queued_metric_done = true;
             }
+            s.enter_phase(if s.first_token.is_none() {
+                "prefill"
+            } else {
+                "recompute"
+            });
             self.running.push(s);
         }
         self.publish_counts();
@@ -543,6 +562,17 @@ impl Engine {
                 self.record_acceptance(drafted, accepted);
             }
             let s = &mut self.running[i];
+            if pl.decoding && self.cfg.speculation != Speculation::None {
+                tracing::info!(
+                    target: TRACE_TARGET,
+                    parent: &s.phase,
+                    verify_len = drafted,
+                    accepted,
+                    committed = commit.len(),
+                    batch_tokens = b,
+                    "speculation cycle"
+                );
+            }
             let gap = s
                 .last_token
                 .map(|t| t.elapsed().as_secs_f64() / commit.len() as f64);
@@ -768,10 +798,13 @@ impl Engine {
         let tokz = self.tok.clone();
         let s = &mut self.running[i];
         match gap {
-            None if s.last_token.is_none() => self
-                .metrics
-                .ttft
-                .observe((now - s.req.arrived).as_secs_f64()),
+            None if s.last_token.is_none() => {
+                let t = (now - s.req.arrived).as_secs_f64();
+                self.metrics.ttft.observe(t);
+                let g = &self.metrics.genai;
+                g.ttft.record(t, &g.attrs(s.req.operation));
+                s.enter_phase("decode");
+            }
             None => {}
             Some(g) => self.metrics.itl.observe(g),
         }
@@ -833,9 +866,29 @@ impl Engine {
 
     fn finish(&mut self, s: &mut Seq, reason: FinishReason) {
         self.release(s);
-        self.metrics
-            .e2e
-            .observe(s.req.arrived.elapsed().as_secs_f64());
+        let e2e = s.req.arrived.elapsed().as_secs_f64();
+        self.metrics.e2e.observe(e2e);
+        let g = &self.metrics.genai;
+        let attrs = g.attrs(s.req.operation);
+        g.request_duration.record(e2e, &attrs);
+        if let (Some(first), Some(last)) = (s.first_token, s.last_token) {
+            if s.generated() > 1 {
+                let per = (last - first).as_secs_f64() / (s.generated() - 1) as f64;
+                g.time_per_output_token.record(per, &attrs);
+            }
+        }
+        for (kind, n) in [("input", s.prompt_len), ("output", s.generated())] {
+            let mut a = attrs.to_vec();
+            a.push(opentelemetry::KeyValue::new("gen_ai.token.type", kind));
+            g.token_usage.record(n as u64, &a);
+        }
+        let span = &s.req.span;
+        span.record("gen_ai.usage.input_tokens", s.prompt_len as u64);
+        span.record("gen_ai.usage.output_tokens", s.generated() as u64);
+        span.record("gen_ai.response.finish_reasons", reason.as_str());
+        span.record("dspark.draft_tokens", s.draft_tokens as u64);
+        span.record("dspark.accepted_draft_tokens", s.accepted_tokens as u64);
+        s.phase = tracing::Span::none();
         self.metrics
             .request_success
             .get_or_create(&FinishLabel {

@@ -130,13 +130,15 @@ struct ServeArgs {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
+    let telemetry = dspark_telemetry::init("dspark-engine")?;
     let cli = Cli::parse();
+    let res = run(cli);
+    telemetry.flush();
+    res
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Profile(a) => profile(a),

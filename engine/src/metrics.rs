@@ -24,8 +24,57 @@ pub struct SourceLabel {
     pub source: String,
 }
 
+/// The OpenTelemetry GenAI server metrics, exported over OTLP when it is on (no-ops
+/// otherwise).
+pub struct GenAi {
+    pub ttft: opentelemetry::metrics::Histogram<f64>,
+    pub time_per_output_token: opentelemetry::metrics::Histogram<f64>,
+    pub request_duration: opentelemetry::metrics::Histogram<f64>,
+    pub token_usage: opentelemetry::metrics::Histogram<u64>,
+    model: String,
+}
+
+impl GenAi {
+    fn new(model: &str) -> Self {
+        let m = dspark_telemetry::meter("dspark-engine");
+        Self {
+            ttft: m
+                .f64_histogram("gen_ai.server.time_to_first_token")
+                .with_unit("s")
+                .with_description("Time to generate the first token")
+                .build(),
+            time_per_output_token: m
+                .f64_histogram("gen_ai.server.time_per_output_token")
+                .with_unit("s")
+                .with_description("Time per output token after the first")
+                .build(),
+            request_duration: m
+                .f64_histogram("gen_ai.server.request.duration")
+                .with_unit("s")
+                .with_description("Generative AI server request duration")
+                .build(),
+            token_usage: m
+                .u64_histogram("gen_ai.client.token.usage")
+                .with_unit("{token}")
+                .with_description("Input and output tokens per request")
+                .build(),
+            model: model.to_string(),
+        }
+    }
+
+    /// The attributes every GenAI metric carries.
+    pub fn attrs(&self, operation: &'static str) -> [opentelemetry::KeyValue; 3] {
+        [
+            opentelemetry::KeyValue::new("gen_ai.operation.name", operation),
+            opentelemetry::KeyValue::new("gen_ai.request.model", self.model.clone()),
+            opentelemetry::KeyValue::new("gen_ai.system", "dspark"),
+        ]
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    pub genai: GenAi,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub e2e: Histogram,
@@ -78,6 +127,7 @@ impl Metrics {
             .into_iter(),
         );
         let m = Metrics {
+            genai: GenAi::new(model),
             ttft: Histogram::new(latency_buckets()),
             itl: Histogram::new(latency_buckets()),
             e2e: Histogram::new(latency_buckets()),

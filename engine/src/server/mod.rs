@@ -14,7 +14,7 @@ use crate::engine::{EngineHandle, Event, GenRequest, SubmitError, TokenLogprob, 
 use crate::metrics::Metrics;
 use crate::tokenizer::TextTokenizer;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -181,7 +181,38 @@ fn check_lengths(
     })
 }
 
-fn submit(st: &Arc<AppState>, p: &Prepared) -> Result<UnboundedReceiver<Event>, ApiError> {
+/// The request's trace span, `{operation} {model}` per the OpenTelemetry GenAI conventions,
+/// a child of the caller's trace when the request carries W3C trace context.
+fn request_span(st: &AppState, operation: &'static str, headers: &HeaderMap) -> tracing::Span {
+    use tracing::field::Empty;
+    let span = tracing::info_span!(
+        target: dspark_telemetry::TRACE_TARGET,
+        "request",
+        otel.name = format!("{operation} {}", st.model_id),
+        otel.kind = "server",
+        gen_ai.operation.name = operation,
+        gen_ai.system = "dspark",
+        gen_ai.request.model = %st.model_id,
+        gen_ai.usage.input_tokens = Empty,
+        gen_ai.usage.output_tokens = Empty,
+        gen_ai.response.finish_reasons = Empty,
+        dspark.speculation = %st.speculation,
+        dspark.policy = %st.policy,
+        dspark.draft_tokens = Empty,
+        dspark.accepted_draft_tokens = Empty,
+    );
+    if !span.is_disabled() {
+        dspark_telemetry::set_parent_from_headers(&span, headers);
+    }
+    span
+}
+
+fn submit(
+    st: &Arc<AppState>,
+    p: &Prepared,
+    span: tracing::Span,
+    operation: &'static str,
+) -> Result<UnboundedReceiver<Event>, ApiError> {
     if st.draining.load(Ordering::SeqCst) {
         return Err(ApiError::unavailable(
             "the server is shutting down; retry on another replica",
@@ -198,6 +229,8 @@ fn submit(st: &Arc<AppState>, p: &Prepared) -> Result<UnboundedReceiver<Event>, 
             ignore_eos: p.v.ignore_eos,
             events: tx,
             arrived: Instant::now(),
+            span,
+            operation,
         })
         .map_err(|e| match e {
             SubmitError::QueueFull(_) => {
@@ -215,6 +248,7 @@ fn gen_id(prefix: &str) -> String {
 
 async fn chat_completions(
     State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Json<ChatRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
@@ -294,7 +328,7 @@ async fn chat_completions(
     let p = check_lengths(&st, prompt, v, logprobs)?;
     st.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = InflightGuard(st.clone());
-    let rx = submit(&st, &p)?;
+    let rx = submit(&st, &p, request_span(&st, "chat", &headers), "chat")?;
     let id = gen_id("chatcmpl");
     let created = now_secs();
     let model = st.model_id.clone();
@@ -347,6 +381,7 @@ async fn chat_completions(
 
 async fn completions(
     State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
     body: Result<Json<CompletionRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
@@ -394,7 +429,12 @@ async fn completions(
     let p = check_lengths(&st, prompt, v, logprobs)?;
     st.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = InflightGuard(st.clone());
-    let rx = submit(&st, &p)?;
+    let rx = submit(
+        &st,
+        &p,
+        request_span(&st, "text_completion", &headers),
+        "text_completion",
+    )?;
     let id = gen_id("cmpl");
     let created = now_secs();
     let model = st.model_id.clone();
