@@ -50,6 +50,9 @@ cluster-down:
 print-kubeconfig:
 	@tests/cluster/cluster.sh kubeconfig
 
+# End-to-end on the local control plane with the test kubelet: helm install of the chart
+# (operator from this tree as a pod), a two-pool DSparkDeployment served by real engine
+# processes, profiling, cost tables, load -> scale up -> scale down, deletion. Prints a
+# timeline; DSPARK_E2E_KEEP=1 leaves the cluster up. See docs/operations.md.
 e2e: build
-	tests/cluster/cluster.sh up
-	tests/cluster/smoke.sh
+	tests/e2e/e2e.sh

@@ -1,0 +1,313 @@
+#!/usr/bin/env bash
+# End-to-end test of DSpark on the local control plane (`make e2e`):
+#   cluster up (+ smoke test) -> test kubelet -> `helm install` of charts/dspark-operator with
+#   the operator built from this tree running as a pod (its ServiceAccount, RBAC, probes,
+#   leader election) -> a two-pool DSparkDeployment (config/samples/dsparkdeployment-e2e.yaml)
+#   -> profiling Jobs per node type complete, DSparkCostTables hold tables -> engine pods on
+#   the right fake nodes, served by real engine processes on loopback pod IPs, answering
+#   -> engines report the stored table (admin API digest) -> load pushes TTFT over the SLO ->
+#   a pool scales up -> load stops -> it scales down after the window -> deleting the
+#   DSparkDeployment removes everything -> helm uninstall leaves only the CRDs.
+# Prints a timeline at the end. Needs the release builds (`make build`) and the model
+# (scripts/fetch-models.sh).
+#
+# Environment: DSPARK_E2E_KEEP=1 leaves the cluster and everything in it running;
+# MODEL (default: $DSPARK_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf);
+# E2E_CONCURRENCY (default 12) load workers; E2E_SKIP_SCALING=1 stops after the table checks.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+CL="$ROOT/tests/cluster/cluster.sh"
+CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$CACHE/cargo-target}"
+export DSPARK_ENGINE_BIN="${DSPARK_ENGINE_BIN:-$CARGO_TARGET_DIR/release/dspark-engine}"
+export DSPARK_OPERATOR_BIN="${DSPARK_OPERATOR_BIN:-$CARGO_TARGET_DIR/release/dspark-operator}"
+MODEL="${MODEL:-$CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+NS=dspark-e2e
+OPNS=dspark-system
+RELEASE=dspark
+DSD=e2e
+SAMPLE="$ROOT/config/samples/dsparkdeployment-e2e.yaml"
+CONCURRENCY="${E2E_CONCURRENCY:-12}"
+WORK="$(mktemp -d /tmp/dspark-e2e.XXXXXX)"
+T0=$(date +%s.%N)
+TIMELINE="$WORK/timeline"
+LOAD_PID=""
+: >"$TIMELINE"
+
+since() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%6.1f", b - a }'; }
+mark() {
+  local line; line="+$(since)s  $*"
+  echo "$line" >>"$TIMELINE"
+  printf '\n[e2e %s\n' "$line"
+}
+info() { printf '[e2e]   %s\n' "$*"; }
+die() { printf '\n[e2e] FAIL: %s\n' "$*" >&2; echo "+$(since)s  FAIL: $*" >>"$TIMELINE"; exit 1; }
+# wait_until <seconds> <what> <command...>: poll every second until the command succeeds.
+wait_until() {
+  local secs="$1" what="$2"; shift 2
+  local deadline=$(( $(date +%s) + secs ))
+  until "$@" >/dev/null 2>&1; do
+    [ "$(date +%s)" -lt "$deadline" ] || die "timed out after ${secs}s waiting for $what"
+    sleep 1
+  done
+}
+
+diagnostics() {
+  echo "===== diagnostics ====="
+  kubectl get nodes -L dspark.dev/node-type 2>&1 || true
+  kubectl get all,dsd,dsct,cm,secret,pdb -n "$NS" -o wide 2>&1 || true
+  kubectl get pods -n "$OPNS" -o wide 2>&1 || true
+  kubectl get events -n "$NS" --sort-by=.lastTimestamp 2>&1 | tail -n 30 || true
+  echo "--- test kubelet log (tail) ---"
+  tail -n 30 "$DSPARK_CLUSTER_DIR/logs/dspark-test-kubelet.log" 2>/dev/null || true
+  local f
+  for f in "$DSPARK_CLUSTER_DIR"/kubelet/pods/*/*.log; do
+    [ -f "$f" ] || continue
+    echo "--- $f (tail) ---"
+    tail -n 15 "$f"
+  done
+}
+
+finish() {
+  local rc=$?
+  if [ -n "$LOAD_PID" ]; then kill "$LOAD_PID" 2>/dev/null || true; wait "$LOAD_PID" 2>/dev/null || true; fi
+  [ "$rc" = 0 ] || diagnostics
+  echo
+  echo "===== e2e timeline ($( [ "$rc" = 0 ] && echo PASSED || echo "FAILED, rc $rc")) ====="
+  cat "$TIMELINE"
+  if [ "${DSPARK_E2E_KEEP:-0}" = 1 ]; then
+    echo "(DSPARK_E2E_KEEP=1: cluster left running; eval \"\$($CL env)\"; $CL down to stop)"
+  else
+    "$CL" down >/dev/null 2>&1 || true
+  fi
+  rm -rf "$WORK"
+  exit "$rc"
+}
+trap finish EXIT
+
+[ -x "$DSPARK_ENGINE_BIN" ] || die "no engine binary at $DSPARK_ENGINE_BIN (make build)"
+[ -x "$DSPARK_OPERATOR_BIN" ] || die "no operator binary at $DSPARK_OPERATOR_BIN (make build)"
+[ -f "$MODEL" ] || die "no model at $MODEL (scripts/fetch-models.sh)"
+
+mark "start: cluster up"
+"$CL" up
+eval "$("$CL" env)"
+# The smoke test expects nobody to run pods (a kubelet left by DSPARK_E2E_KEEP=1 would).
+"$CL" kubelet-down >/dev/null 2>&1 || true
+"$ROOT/tests/cluster/smoke.sh" >"$WORK/smoke.log" 2>&1 || { cat "$WORK/smoke.log"; die "cluster smoke test failed"; }
+mark "cluster up, smoke test passed; starting the test kubelet"
+"$CL" kubelet-up
+mark "test kubelet up on $(kubectl get nodes -l dspark.dev/test-kubelet=true -o name | wc -l) fake GPU nodes"
+
+# --- the operator, from the chart ---------------------------------------------------------
+kubectl create namespace "$OPNS" >/dev/null
+helm install "$RELEASE" "$ROOT/charts/dspark-operator" -n "$OPNS" --wait --timeout 120s \
+  --set image.repository=dspark/operator --set image.tag=dev \
+  --set-string 'nodeSelector.dspark\.dev/test-kubelet=true' \
+  --set 'tolerations[0].key=nvidia.com/gpu' --set 'tolerations[0].operator=Exists' \
+  --set leaderElection.leaseSeconds=6 >"$WORK/helm-install.log"
+OPPOD="$(kubectl get pods -n "$OPNS" -l app.kubernetes.io/component=operator -o jsonpath='{.items[0].metadata.name}')"
+wait_until 60 "the leader Lease" sh -c "kubectl get lease -n $OPNS $RELEASE-dspark-operator-leader -o jsonpath='{.spec.holderIdentity}' | grep -qx '$OPPOD'"
+mark "helm install done: operator pod $OPPOD Ready on $(kubectl get pod -n "$OPNS" "$OPPOD" -o jsonpath='{.spec.nodeName} at {.status.podIP}'), holds the Lease"
+
+# --- the DSparkDeployment ------------------------------------------------------------------
+kubectl create namespace "$NS" >/dev/null
+sed "s|/var/lib/dspark/models/SmolLM2-135M-Instruct.Q4_1.gguf|$MODEL|" "$SAMPLE" >"$WORK/dsd.yaml"
+kubectl apply -n "$NS" -f "$WORK/dsd.yaml" >/dev/null
+mark "applied DSparkDeployment $DSD (pools h100 -> h100-80gb, a100 -> a100-80gb)"
+
+jobs_done() {
+  local n
+  n="$(kubectl get jobs -n "$NS" -l app.kubernetes.io/component=profiler -o jsonpath='{range .items[*]}{.status.succeeded}{"\n"}{end}' | grep -c '^1$' || true)"
+  [ "$n" -ge 2 ]
+}
+wait_until 60 "two profiling Jobs" sh -c "[ \$(kubectl get jobs -n $NS -l app.kubernetes.io/component=profiler -o name | wc -l) -ge 2 ]"
+mark "profiling Jobs created: $(kubectl get jobs -n "$NS" -l app.kubernetes.io/component=profiler -o jsonpath='{.items[*].metadata.name}')"
+wait_until 300 "the profiling Jobs to complete" jobs_done
+# Each profiling pod ran on a node of its table's node type.
+kubectl get pods -n "$NS" -l app.kubernetes.io/component=profiler -o json >"$WORK/profpods.json"
+kubectl get nodes -o json >"$WORK/nodes.json"
+kubectl get dsct -n "$NS" -o json >"$WORK/dsct.json"
+python3 - "$WORK" <<'EOF' || die "profiling pods on the wrong nodes"
+import json, sys
+w = sys.argv[1]
+nodes = {n["metadata"]["name"]: n["metadata"]["labels"].get("dspark.dev/node-type") for n in json.load(open(f"{w}/nodes.json"))["items"]}
+tables = {t["metadata"]["name"]: t["spec"]["nodeType"] for t in json.load(open(f"{w}/dsct.json"))["items"]}
+for p in json.load(open(f"{w}/profpods.json"))["items"]:
+    ct = p["metadata"]["labels"]["serving.dspark.dev/cost-table"]
+    node = p["spec"]["nodeName"]
+    term = p["status"]["containerStatuses"][0]["state"].get("terminated", {})
+    print(f"[e2e]   profiling pod {p['metadata']['name']}: node {node} ({nodes[node]}), exit {term.get('exitCode')}, termination message {len(term.get('message', ''))} bytes, table for {tables.get(ct)}")
+    assert nodes[node] == tables[ct], (node, nodes[node], tables[ct])
+EOF
+mark "profiling Jobs completed, each on its node type"
+tables_ready() {
+  local n
+  n="$(kubectl get dsct -n "$NS" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c '^Ready$' || true)"
+  [ "$n" -ge 2 ]
+}
+wait_until 60 "both DSparkCostTables Ready" tables_ready
+kubectl get dsct -n "$NS" -o json >"$WORK/dsct.json"
+python3 - "$WORK/dsct.json" <<'EOF2' || die "DSparkCostTables without tables"
+import json, sys
+for t in json.load(open(sys.argv[1]))["items"]:
+    s = t["status"]
+    name, nt = t["metadata"]["name"], t["spec"]["nodeType"]
+    print(f"[e2e]   dsct {name}: nodeType {nt} phase {s['phase']} revision {s['revision']} "
+          f"digest {s['digest'][:16]} points {len(s['table']['points'])} measured {s.get('measuredAt')}")
+    assert s["table"]["points"] and s["table"]["node_type"] == nt
+EOF2
+mark "DSparkCostTables hold tables (phase Ready)"
+
+# --- engines -------------------------------------------------------------------------------
+# engines_json: every engine pod with pool, node, node type, IP, readiness, as JSON lines.
+engines() {
+  kubectl get pods -n "$NS" -l "serving.dspark.dev/deployment=$DSD,app.kubernetes.io/component=engine" -o json |
+    python3 -c '
+import json, subprocess, sys
+nodes = {n["metadata"]["name"]: n["metadata"]["labels"].get("dspark.dev/node-type") for n in json.loads(subprocess.check_output(["kubectl", "get", "nodes", "-o", "json"]))["items"]}
+for p in json.load(sys.stdin)["items"]:
+    st = p.get("status", {})
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", []))
+    node = p["spec"].get("nodeName", "")
+    print(json.dumps({"name": p["metadata"]["name"], "pool": p["metadata"]["labels"]["serving.dspark.dev/pool"],
+        "node": node, "nodeType": nodes.get(node), "wants": p["spec"]["nodeSelector"]["dspark.dev/node-type"],
+        "ip": st.get("podIP", ""), "ready": ready, "deleting": "deletionTimestamp" in p["metadata"],
+        "args": p["spec"]["containers"][0].get("args", [])}))
+'
+}
+ready_count() { engines | python3 -c 'import json,sys; print(sum(1 for l in sys.stdin if json.loads(l)["ready"] and not json.loads(l)["deleting"]))'; }
+# The pools have their tables: the operator passes --cost-table once a table is stored, so
+# wait for ready pods with that flag (the rollout after the tables were stored).
+engines_with_table() {
+  engines | python3 -c '
+import json, sys
+pods = [json.loads(l) for l in sys.stdin]
+live = [p for p in pods if not p["deleting"]]
+ok = [p for p in live if p["ready"] and "--cost-table" in p["args"]]
+pools = {p["pool"] for p in ok}
+sys.exit(0 if pools >= {"h100", "a100"} and len(ok) == len(live) else 1)'
+}
+wait_until 300 "ready engine pods of both pools running with their tables" engines_with_table
+engines >"$WORK/engines.jsonl"
+python3 - "$WORK/engines.jsonl" <<'EOF' || die "engine pods misplaced"
+import ipaddress, json, sys
+for l in open(sys.argv[1]):
+    p = json.loads(l)
+    if p["deleting"]:
+        continue
+    print(f"[e2e]   engine {p['name']}: pool {p['pool']} node {p['node']} ({p['nodeType']}) ip {p['ip']} ready {p['ready']}")
+    assert p["nodeType"] == p["wants"], p
+    assert ipaddress.ip_address(p["ip"]).is_loopback, p
+EOF
+mark "engine pods Ready on the right node types ($(ready_count) pods), with --cost-table"
+
+TOKEN="$(kubectl get secret -n "$NS" "$DSD-admin-token" -o jsonpath='{.data.token}' | base64 -d)"
+check_engines() {
+  local quiet="${1:-}" line name pool ip want ct got
+  while read -r line; do
+    name="$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["name"])' "$line")"
+    pool="$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["pool"])' "$line")"
+    ip="$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ip"])' "$line")"
+    ct="$(kubectl get dsd -n "$NS" "$DSD" -o jsonpath="{.status.pools[?(@.name==\"$pool\")].costTable}")"
+    want="$(kubectl get dsct -n "$NS" "$ct" -o jsonpath='{.status.digest}')"
+    got="$(curl -fsS --max-time 5 -H "Authorization: Bearer $TOKEN" "http://$ip:8001/admin/v1/state")" || return 1
+    python3 - "$got" "$want" "$name" "$quiet" <<'EOF' || return 1
+import json, sys
+s, want, name, quiet = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+if not quiet:
+    print(f"[e2e]   {name}: cost_table_source {s['cost_table_source']} revision {s['cost_table_revision']} digest {s['cost_table_digest'][:16]} (dsct {want[:16]}) policy {s['policy']} speculation {s['speculation']}")
+sys.exit(0 if s["cost_table_digest"] == want else 1)
+EOF
+  done < <(engines | python3 -c 'import json,sys; [print(l.strip()) for l in sys.stdin if json.loads(l)["ready"] and not json.loads(l)["deleting"]]')
+}
+wait_until 60 "every engine to report its pool's table digest" check_engines quiet
+check_engines
+mark "every engine reports its pool's cost table (admin API digest == DSparkCostTable digest)"
+
+# A real answer from each engine.
+while read -r ip; do
+  out="$(curl -fsS --max-time 60 "http://$ip:8000/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"default","messages":[{"role":"user","content":"Say hello."}],"max_tokens":8}')" || die "engine $ip did not answer"
+  info "engine $ip answered: $(python3 -c 'import json,sys; print(repr(json.loads(sys.argv[1])["choices"][0]["message"]["content"]))' "$out")"
+done < <(engines | python3 -c 'import json,sys; [print(json.loads(l)["ip"]) for l in sys.stdin if json.loads(l)["ready"] and not json.loads(l)["deleting"]]')
+mark "each engine answered a chat completion"
+
+# Every socket of the engine, operator and kubelet processes is on 127.0.0.0/8.
+ss -Htanp | awk '/"dspark-(engine|operator|test-kub)/ { print $4, $5 }' >"$WORK/sockets"
+if awk '{ split($1, a, ":"); split($2, b, ":"); if (a[1] !~ /^127\./ || (b[1] != "*" && b[1] !~ /^127\./ && b[1] != "0.0.0.0")) { print; bad = 1 } } END { exit bad }' "$WORK/sockets"; then
+  info "$(wc -l <"$WORK/sockets") sockets of engine/operator/kubelet processes, all on 127.0.0.0/8"
+else
+  die "a socket off loopback: $(cat "$WORK/sockets")"
+fi
+mark "network check: all sockets of the DSpark processes on loopback"
+
+if [ "${E2E_SKIP_SCALING:-0}" != 1 ]; then
+  # --- scale up under load, down after it ------------------------------------------------
+  replicas() { kubectl get deploy -n "$NS" -l "serving.dspark.dev/deployment=$DSD" -o jsonpath='{range .items[*]}{.metadata.labels.serving\.dspark\.dev/pool}={.spec.replicas} {end}'; }
+  total_replicas() { kubectl get deploy -n "$NS" -l "serving.dspark.dev/deployment=$DSD" -o jsonpath='{range .items[*]}{.spec.replicas}{"\n"}{end}' | awk '{ s += $1 } END { print s + 0 }'; }
+  base="$(total_replicas)"
+  info "replicas before load: $(replicas)"
+  (
+    while :; do
+      engines | python3 -c 'import json,sys; [print("http://%s:8000" % json.loads(l)["ip"]) for l in sys.stdin if json.loads(l)["ready"] and not json.loads(l)["deleting"]]' >"$WORK/targets.tmp" 2>/dev/null &&
+        mv "$WORK/targets.tmp" "$WORK/targets"
+      sleep 2
+    done
+  ) &
+  REFRESH_PID=$!
+  sleep 3
+  python3 "$HERE/load.py" --targets "$WORK/targets" --concurrency "$CONCURRENCY" --max-tokens 48 --report 5 &
+  LOAD_PID=$!
+  mark "load started: $CONCURRENCY concurrent chat requests over the ready engines (SLO: TTFT p95 $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.spec.slo.ttftP95Ms}') ms)"
+  scaled_up() { [ "$(total_replicas)" -gt "$base" ]; }
+  wait_until 240 "a scale-up under load" scaled_up
+  mark "scaled up: $(replicas); decision: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.lastScalingDecision.pool}: {.status.lastScalingDecision.fromReplicas} -> {.status.lastScalingDecision.toReplicas} ({.status.lastScalingDecision.reason})')"
+  info "pool status: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{range .status.pools[*]}{.name}: ttft_p95 {.ttftP95Ms} ms itl_p95 {.itlP95Ms} ms ready {.readyReplicas}/{.desiredReplicas}; {end}')"
+  more_ready() { [ "$(ready_count)" -gt "$base" ]; }
+  wait_until 180 "the new engine pod Ready" more_ready
+  mark "new engine pod Ready ($(ready_count) ready engines, serving load)"
+  sleep 10
+  kill "$LOAD_PID" 2>/dev/null || true
+  wait "$LOAD_PID" 2>/dev/null || true
+  LOAD_PID=""
+  kill "$REFRESH_PID" 2>/dev/null || true
+  mark "load stopped"
+  at_min() { [ "$(total_replicas)" -le "$base" ]; }
+  wait_until 300 "the scale-down after the window" at_min
+  mark "scaled down: $(replicas); decision: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.lastScalingDecision.pool}: {.status.lastScalingDecision.fromReplicas} -> {.status.lastScalingDecision.toReplicas} ({.status.lastScalingDecision.reason})')"
+fi
+
+# --- deletion ------------------------------------------------------------------------------
+kubectl delete dsd -n "$NS" "$DSD" --wait=true --timeout=60s >/dev/null
+all_gone() {
+  local left
+  left="$(kubectl get deploy,rs,pods,svc,pdb,jobs,dsct,cm,secret -n "$NS" -l app.kubernetes.io/managed-by=dspark-operator -o name 2>/dev/null)"
+  left+="$(kubectl get pods,jobs,dsct -n "$NS" -o name 2>/dev/null)"
+  [ -z "$left" ]
+}
+wait_until 120 "everything the DSparkDeployment owned to be removed" all_gone
+# Processes run by the kubelet work in their pod's directory.
+ns_processes() {
+  local p
+  for p in $(pgrep -f dspark-engine || true); do
+    readlink "/proc/$p/cwd" 2>/dev/null | grep -q "/kubelet/pods/${NS}_" && echo "$p"
+  done
+  return 0
+}
+no_ns_processes() { [ -z "$(ns_processes)" ]; }
+wait_until 30 "the engine processes to exit" no_ns_processes
+mark "deleted the DSparkDeployment: pods, Deployments, Services, PDBs, Jobs, ConfigMaps, Secret, DSparkCostTables gone; no engine process left"
+
+helm uninstall "$RELEASE" -n "$OPNS" --wait --timeout 90s >/dev/null
+wait_until 60 "the operator pod to go" sh -c "[ -z \"\$(kubectl get pods -n $OPNS -o name)\" ]"
+left="$(kubectl get clusterrole,clusterrolebinding -l "app.kubernetes.io/instance=$RELEASE" -o name)"
+[ -z "$left" ] || die "left after helm uninstall: $left"
+kubectl get crd dsparkdeployments.serving.dspark.dev dsparkcosttables.serving.dspark.dev >/dev/null ||
+  die "the CRDs went with the release"
+# The kubelet records each container's process group until it has exited.
+no_pod_processes() { [ -z "$(ls -A "$DSPARK_CLUSTER_DIR/kubelet/pgids" 2>/dev/null)" ]; }
+wait_until 30 "every pod process to exit" no_pod_processes
+mark "helm uninstall: operator and RBAC gone, CRDs kept; e2e passed"
