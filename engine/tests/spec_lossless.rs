@@ -75,6 +75,8 @@ fn run(
                 ignore_eos: false,
                 events: tx,
                 arrived: Instant::now(),
+                span: tracing::Span::none(),
+                operation: "text_completion",
             })
             .unwrap();
         rxs.push(rx);
