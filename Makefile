@@ -37,7 +37,7 @@ unit:
 	  DSPARK_REQUIRE_CLUSTER=1 $(CARGO) test --release --workspace --no-fail-fast
 
 python-test:
-	python3 -m pytest -q tests/python
+	python3 -m pytest -q tests/python tests/otel
 
 test: setup build lint unit python-test
 

@@ -99,8 +99,8 @@ def engine():
     token = "otel-test-token"
     log_path = LOG_DIR / "dspark-otel-engine.log"
     log = open(log_path, "w")
-    env = dict(os.environ, DSPARK_ADMIN_TOKEN=token)
-    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    env["DSPARK_ADMIN_TOKEN"] = token
     proc = subprocess.Popen(
         [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
          "--admin-port", str(admin_port), "--speculation", "ngram", "--policy", "dspark",
@@ -137,9 +137,9 @@ def operator():
     port = free_port()
     log_path = LOG_DIR / "dspark-otel-operator.log"
     log = open(log_path, "w")
-    env = dict(os.environ, KUBECONFIG=str(tmp / "kubeconfig"))
-    for k in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        env.pop(k, None)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_EXPORTER_OTLP", "KUBERNETES_SERVICE_"))}
+    env["KUBECONFIG"] = str(tmp / "kubeconfig")
     proc = subprocess.Popen([str(binary), "--http", f"127.0.0.1:{port}", "--no-leader-election"],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
