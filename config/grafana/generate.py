@@ -265,11 +265,27 @@ def operator_board():
         ('count by (pool) (up{job="dspark-engine", pool=~"$pool"})', "targets {{pool}}")],
         decimals=0, description="Engine pods discovered per pool (label serving.dspark.dev/pool) "
         "and how many answer scrapes.")
+    b.panel("Desired vs ready replicas per pool (operator)", [
+        ('max by (deployment, pool) (dspark_operator_pool_desired_replicas{pool=~"$pool"})', "desired {{deployment}} {{pool}}"),
+        ('max by (deployment, pool) (dspark_operator_pool_ready_replicas{pool=~"$pool"})', "ready {{deployment}} {{pool}}")],
+        decimals=0, description="dspark_operator_pool_desired_replicas / _ready_replicas{deployment, pool}: "
+        "what the operator decided at its last reconcile and how many engine pods were Ready.")
     b.panel("Scaling decisions", [
         (f"sum(increase(dspark_operator_scaling_decisions_total[{RI}]))", "applied"),
         (f"sum(increase(dspark_operator_advisory_decisions_total[{RI}]))", "advisory (not applied)")],
         decimals=0, description="dspark_operator_scaling_decisions_total / _advisory_decisions_total: "
         "replica changes per interval. Compare with the replica panel.")
+    b.panel("Pool p95 latency as the operator measures it", [
+        ('max by (deployment, pool) (dspark_operator_pool_ttft_p95_seconds{pool=~"$pool"})', "TTFT p95 {{deployment}} {{pool}}"),
+        ('max by (deployment, pool) (dspark_operator_pool_itl_p95_seconds{pool=~"$pool"})', "ITL p95 {{deployment}} {{pool}}")],
+        unit="s", description="The p95s the SLO autoscaler compares with spec.slo (over "
+        "spec.slo.windowSeconds); absent while a pool has no fresh data.")
+    b.panel("Pool acceptance length and request rate (operator)", [
+        ('max by (deployment, pool) (dspark_operator_pool_acceptance_length{pool=~"$pool"})', "acceptance length {{deployment}} {{pool}}"),
+        ('max by (deployment, pool) (dspark_operator_pool_request_rate{pool=~"$pool"})', "requests/s {{deployment}} {{pool}}")],
+        overrides=[{"matcher": {"id": "byRegexp", "options": "requests/s.*"},
+                    "properties": [{"id": "unit", "value": "reqps"},
+                                   {"id": "custom.axisPlacement", "value": "right"}]}])
     b.row("Profiling and cost tables")
     b.panel("Profiling jobs and failures", [
         (f"sum(increase(dspark_operator_profiling_jobs_total[{RI}]))", "jobs started"),

@@ -84,6 +84,15 @@ def is_operator_expr(expr):
     return "dspark_operator_" in expr or 'job="dspark-operator"' in expr
 
 
+POOL_GAUGE = re.compile(r"\bdspark_operator_pool_\w+")
+
+
+def needs_cluster(expr):
+    """The operator's per-pool gauges have series only once it reconciled a DSparkDeployment
+    (a cluster: `make e2e`); here they are checked by name and syntax only."""
+    return bool(POOL_GAUGE.search(expr))
+
+
 # --- PromQL signal extraction (top-level scanning, enough for these rule files) -----------
 
 def _top_level(expr):
@@ -166,6 +175,16 @@ def test_promtool_check_rules():
     assert r.returncode == 0, r.stdout + r.stderr
     n = len(re.findall(r"^\s*- alert:", ALERTS.read_text(), re.M))
     assert f"SUCCESS: {n} rules found" in r.stdout, r.stdout
+
+
+def test_promtool_alert_unit_tests():
+    """tests/otel/promtool/alerts_test.yaml: alerts fire on synthetic series (thresholds,
+    `for`, labels, rendered annotations) and stay quiet below them."""
+    if shutil.which("promtool") is None:
+        pytest.fail("promtool is not installed (Debian's prometheus package, scripts/setup.sh)")
+    r = subprocess.run(["promtool", "test", "rules", str(Path(__file__).parent / "promtool" / "alerts_test.yaml")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def test_promtool_check_k8s_config():
@@ -255,7 +274,7 @@ def stack(engine, operator, prometheus):
             assert time.time() < deadline, f"not enough data: scrapes {n}, accepted {acc}, " \
                 f"requests {load.count}, errors {load.errors[:3]}"
             time.sleep(1)
-        yield {"prom": prometheus, "engine": engine, "load": load, "t0": t0}
+        yield {"prom": prometheus, "engine": engine, "operator": operator, "load": load, "t0": t0}
     assert not load.errors, load.errors[:5]
 
 
@@ -313,9 +332,10 @@ def test_engine_dashboard_expressions(stack):
 
 def test_operator_dashboard_expressions(stack):
     """The operator runs without a cluster: its counters exist (all 0), so rates are 0 and
-    ratios of them (mean reconcile duration) are NaN; those must still return series."""
+    ratios of them (mean reconcile duration) are NaN; those must still return series. The
+    per-pool gauges: test_operator_pool_expressions."""
     items = [(f"{f} / {title} / {legend}", e, False)
-             for f, title, legend, e in dashboard_exprs() if is_operator_expr(e)]
+             for f, title, legend, e in dashboard_exprs() if is_operator_expr(e) and not needs_cluster(e)]
     assert len(items) >= 8, items
     _check(stack, items)
 
@@ -339,9 +359,32 @@ def test_engine_alert_signals(stack):
 
 def test_operator_alert_signals(stack):
     items = [(f"{r['name']} signal", s, False) for r in _rules(stack) for s in signals(r["query"])
-             if is_operator_expr(r["query"])]
+             if is_operator_expr(r["query"]) and not needs_cluster(r["query"])]
     assert len(items) >= 5, items
     _check(stack, items)
+
+
+def test_operator_pool_expressions(stack):
+    """NOT a data check: dspark_operator_pool_* (desired/ready replicas, measured p95s,
+    acceptance length, request rate per deployment and pool) have series only after the
+    operator reconciled a DSparkDeployment, which needs a cluster. Here each expression using
+    them must evaluate, and every such metric name must be declared (# TYPE) by the running
+    operator's /metrics; skipped, saying so, when the operator build predates these gauges."""
+    exprs = [(f"{f} / {title} / {legend}", e) for f, title, legend, e in dashboard_exprs() if needs_cluster(e)]
+    exprs += [(f"{r['name']} (alert)", r["query"]) for r in _rules(stack) if needs_cluster(r["query"])]
+    assert len(exprs) >= 7, exprs
+    status, body = http("GET", f"http://{stack['operator']}/metrics")
+    assert status == 200
+    declared = set(re.findall(r"^# TYPE (\S+) ", body.decode(), re.M))
+    used = {m for _, e in exprs for m in POOL_GAUGE.findall(e)}
+    missing = sorted(used - declared)
+    for where, e in exprs:
+        res = _query(stack["prom"], e)
+        print(f"{len(res):3d} series (cluster needed for data)  {where}: {' '.join(e.split())[:100]}")
+    if missing:
+        pytest.skip(f"NOT CHECKED: this dspark-operator build does not declare {missing} (used by "
+                    f"{len(exprs)} dashboard/alert expressions); rebuild it")
+    print(f"declared by the operator: {sorted(used)}; values need a DSparkDeployment (make e2e)")
 
 
 # --- the picture --------------------------------------------------------------------------
