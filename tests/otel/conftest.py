@@ -72,6 +72,24 @@ def _bin(env_var, name):
     return p
 
 
+def non_loopback_sockets(pid):
+    """TCP/UDP sockets of process `pid` whose local or peer address is not on 127.0.0.0/8
+    (or ::1 / ::ffff:127.x), from `ss -tuanp`."""
+    out = subprocess.run(["ss", "-Htuanp"], capture_output=True, text=True, check=True).stdout
+    bad = []
+    for line in out.splitlines():
+        if f"pid={pid}," not in line:
+            continue
+        cols = line.split()
+        local = cols[4].rsplit(":", 1)[0].strip("[]")
+        peer = cols[5].rsplit(":", 1)[0].strip("[]")
+        loop = lambda h: h.startswith("127.") or h == "::1" or h.startswith("::ffff:127.")  # noqa: E731
+        # Listeners have the peer `0.0.0.0:*` / `[::]:*`; anything else must be loopback.
+        if not loop(local) or not (loop(peer) or peer in ("*", "0.0.0.0", "::")):
+            bad.append(line)
+    return bad
+
+
 class Engine:
     def __init__(self, url, admin_url, token, proc):
         self.url, self.admin_url, self.token, self.proc = url, admin_url, token, proc
@@ -167,6 +185,9 @@ class Prometheus:
     def down(self):
         subprocess.run([str(HERE / "prometheus.sh"), "down"], env=self.env, check=False, timeout=60)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def pid(self):
+        return int((self.dir / "prometheus.pid").read_text())
 
     def api(self, path, **params):
         q = urllib.parse.urlencode(params)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HERE, free_port, http
+from conftest import HERE, free_port, http, non_loopback_sockets
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,12 @@ def test_otlp_grpc_port_accepts_http2(collector):
          + "/opentelemetry.proto.collector.trace.v1.TraceService/Export"],
         capture_output=True, text=True, timeout=10).stdout.lower()
     assert "http/2 200" in out and "grpc-status" in out, out
+
+
+def test_collector_sockets_loopback_only(collector):
+    pid = int((Path(collector["DSPARK_OTEL_DIR"]) / "otelcol.pid").read_text())
+    assert not non_loopback_sockets(pid), non_loopback_sockets(pid)
+    # ... and it listens on the three ports it was given (OTLP gRPC, OTLP HTTP, own metrics).
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True).stdout
+    listening = [line for line in out.splitlines() if f"pid={pid}," in line]
+    assert len(listening) == 3, listening

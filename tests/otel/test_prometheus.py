@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, http
+from conftest import ROOT, http, non_loopback_sockets
 
 GRAFANA = ROOT / "config" / "grafana"
 ALERTS = ROOT / "config" / "prometheus" / "alerts.yaml"
@@ -304,6 +304,8 @@ def test_targets_up_and_rules_loaded(stack):
     firing = sorted(r["name"] for r in rules if r["state"] == "firing")
     # The run pushed one bad cost table on purpose: exactly that alert fires, for this engine.
     assert firing == ["DSparkCostTableRefused"], firing
+    # Prometheus listens on and talks to loopback addresses only.
+    assert not non_loopback_sockets(prom.pid()), non_loopback_sockets(prom.pid())
     alert = next(r for r in rules if r["name"] == "DSparkCostTableRefused")["alerts"][0]
     assert alert["labels"]["instance"] == f"127.0.0.1:{stack['engine'].port}", alert
     assert float(alert["value"]) >= 1, alert
