@@ -298,39 +298,63 @@ mod avx2 {
         _mm256_loadu_si256(p.as_ptr() as *const __m256i)
     }
 
-    /// Weight types with a Q8_0 partner and signed quants: `ax = |x|` is computed once per
-    /// weight block, the sign moves to each activation row.
+    /// One weight block against R activation rows. Signed quants (Q4_0, Q5_0, Q8_0, with a
+    /// Q8_0 partner): `ax = |x|` once per weight block, the sign moves to each activation row.
+    /// Unsigned quants with a min (Q4_1, Q5_1, Q8_1 partner): `d * sum + m * s`.
     #[inline(always)]
-    unsafe fn signed_tile<const R: usize>(
-        qx: __m256i,
-        d: f32,
-        i: usize,
-        a: &[&[Q8Block]; R],
-        acc: &mut [__m256; R],
-    ) {
-        let ax = _mm256_sign_epi8(qx, qx);
-        for r in 0..R {
-            let y = a[r].get_unchecked(i);
-            let sy = _mm256_sign_epi8(load(&y.qs), qx);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), us8(ax, sy), acc[r]);
-        }
-    }
-
-    /// Weight types with a min (quants 0..31 unsigned): `d*sum + m*s`.
-    #[inline(always)]
-    unsafe fn unsigned_tile<const R: usize>(
-        qx: __m256i,
-        d: f32,
-        m: f32,
+    unsafe fn step<const R: usize, const SIGNED: bool>(
+        (qx, d, m): (__m256i, f32, f32),
         i: usize,
         a: &[&[Q8Block]; R],
         acc: &mut [__m256; R],
         mins: &mut [f32; R],
     ) {
+        let ax = if SIGNED { _mm256_sign_epi8(qx, qx) } else { qx };
         for r in 0..R {
             let y = a[r].get_unchecked(i);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), us8(qx, load(&y.qs)), acc[r]);
-            mins[r] += m * y.s;
+            let sy = if SIGNED {
+                _mm256_sign_epi8(load(&y.qs), qx)
+            } else {
+                load(&y.qs)
+            };
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), us8(ax, sy), acc[r]);
+            if !SIGNED {
+                mins[r] += m * y.s;
+            }
+        }
+    }
+
+    /// The loop over a row of 32-blocks, two blocks per iteration into two sets of
+    /// accumulators (breaks the FMA dependency chain when R is small).
+    #[inline(always)]
+    unsafe fn drive32<W, const R: usize, const SIGNED: bool>(
+        w: &[W],
+        a: &[&[Q8Block]; R],
+        out: &mut [f32; R],
+        decode: impl Fn(&W) -> (__m256i, f32, f32),
+    ) {
+        let mut acc0 = [_mm256_setzero_ps(); R];
+        let mut acc1 = [_mm256_setzero_ps(); R];
+        let mut min0 = [0f32; R];
+        let mut min1 = [0f32; R];
+        let pairs = w.len() / 2;
+        for p in 0..pairs {
+            let i = 2 * p;
+            step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
+            step::<R, SIGNED>(
+                decode(w.get_unchecked(i + 1)),
+                i + 1,
+                a,
+                &mut acc1,
+                &mut min1,
+            );
+        }
+        if w.len() % 2 == 1 {
+            let i = w.len() - 1;
+            step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
+        }
+        for r in 0..R {
+            out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + (min0[r] + min1[r]);
         }
     }
 
@@ -340,14 +364,10 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (i, b) in w.iter().enumerate() {
+        drive32::<_, R, true>(w, a, out, |b| {
             let qx = _mm256_sub_epi8(nibbles32(b.qs.as_ptr()), _mm256_set1_epi8(8));
-            signed_tile(qx, f16_to_f32(b.d), i, a, &mut acc);
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]);
-        }
+            (qx, f16_to_f32(b.d), 0.0)
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -356,14 +376,7 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (i, b) in w.iter().enumerate() {
-            let qx = load(&b.qs);
-            signed_tile(qx, f16_to_f32(b.d), i, a, &mut acc);
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]);
-        }
+        drive32::<_, R, true>(w, a, out, |b| (load(&b.qs), f16_to_f32(b.d), 0.0))
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -372,15 +385,11 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (i, b) in w.iter().enumerate() {
+        drive32::<_, R, true>(w, a, out, |b| {
             let hi = _mm256_andnot_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0xF0u8 as i8));
             let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
-            signed_tile(qx, f16_to_f32(b.d), i, a, &mut acc);
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]);
-        }
+            (qx, f16_to_f32(b.d), 0.0)
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -389,16 +398,9 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut mins = [0f32; R];
-        for (i, b) in w.iter().enumerate() {
-            let qx = nibbles32(b.qs.as_ptr());
-            let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
-            unsigned_tile(qx, d, m, i, a, &mut acc, &mut mins);
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]) + mins[r];
-        }
+        drive32::<_, R, false>(w, a, out, |b| {
+            (nibbles32(b.qs.as_ptr()), f16_to_f32(b.d), f16_to_f32(b.m))
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -407,17 +409,11 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut mins = [0f32; R];
-        for (i, b) in w.iter().enumerate() {
+        drive32::<_, R, false>(w, a, out, |b| {
             let hi = _mm256_and_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0x10));
             let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
-            let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
-            unsigned_tile(qx, d, m, i, a, &mut acc, &mut mins);
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]) + mins[r];
-        }
+            (qx, f16_to_f32(b.d), f16_to_f32(b.m))
+        })
     }
 
     /// Sums of 16 i16 bsums pairwise -> the 8 per-32 sums as i16 in a 128-bit vector.

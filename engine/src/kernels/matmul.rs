@@ -46,34 +46,22 @@ const CHUNK_BYTES: usize = 24 * 1024;
 /// few microseconds).
 const PAR_MIN_WORK: usize = 1 << 19;
 
+/// Where a chunk writes: row `i` of the output starts at `ptr + i * n`.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub struct OutPtr(pub *mut f32);
 // SAFETY: the workers write disjoint elements (each output column belongs to one chunk).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-/// `out[i * n + j] = sum_l x[i * k + l] * W[j, l]` with `W` given as `n * k / BLOCK` blocks.
-pub fn matmul<K: Kernel>(
-    w: &[K::W],
-    n: usize,
-    k: usize,
-    x: &[f32],
-    m: usize,
-    out: &mut [f32],
-    isa: Isa,
-) {
-    let nb = k / K::BLOCK;
+/// Quantises the `m` rows of `x` (`k` each) for kernel `K`.
+pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     assert!(
         k.is_multiple_of(K::BLOCK),
         "k = {k} is not a multiple of {}",
         K::BLOCK
     );
-    assert_eq!(w.len(), n * nb, "weight blocks");
     assert_eq!(x.len(), m * k, "input length");
-    assert_eq!(out.len(), m * n, "output length");
-    if m == 0 || n == 0 {
-        return;
-    }
+    let nb = k / K::BLOCK;
     let mut acts = vec![K::A::default(); m * nb];
     if m * k >= 1 << 16 {
         acts.par_chunks_mut(nb)
@@ -84,34 +72,74 @@ pub fn matmul<K: Kernel>(
             K::quantize(x, a);
         }
     }
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let acts = &acts[..];
-    let run = |j0: usize, j1: usize| {
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = (m - r0).min(TILE);
-            match rows {
-                4 => tile::<K, 4>(w, nb, acts, r0, j0, j1, n, out_ptr, isa),
-                3 => tile::<K, 3>(w, nb, acts, r0, j0, j1, n, out_ptr, isa),
-                2 => tile::<K, 2>(w, nb, acts, r0, j0, j1, n, out_ptr, isa),
-                _ => tile::<K, 1>(w, nb, acts, r0, j0, j1, n, out_ptr, isa),
-            }
-            r0 += rows;
+    acts
+}
+
+/// Output columns `j0..j1` of all `m` rows: `out[i * n + j] = dot(W[j], acts[i])`.
+///
+/// # Safety
+/// `out` must point to an `m * n` buffer in which no one else writes columns `j0..j1`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn run_rows<K: Kernel>(
+    w: &[K::W],
+    n: usize,
+    acts: &[K::A],
+    m: usize,
+    j0: usize,
+    j1: usize,
+    out: OutPtr,
+    isa: Isa,
+) {
+    let nb = acts.len() / m;
+    assert!(w.len() >= j1 * nb && j1 <= n, "weight rows");
+    let mut r0 = 0;
+    while r0 < m {
+        let rows = (m - r0).min(TILE);
+        match rows {
+            4 => tile::<K, 4>(w, nb, acts, r0, j0, j1, n, out, isa),
+            3 => tile::<K, 3>(w, nb, acts, r0, j0, j1, n, out, isa),
+            2 => tile::<K, 2>(w, nb, acts, r0, j0, j1, n, out, isa),
+            _ => tile::<K, 1>(w, nb, acts, r0, j0, j1, n, out, isa),
         }
-    };
-    let threads = rayon::current_num_threads();
-    if threads <= 1 || m * n * k < PAR_MIN_WORK {
-        run(0, n);
-        return;
+        r0 += rows;
     }
-    let row_bytes = nb * std::mem::size_of::<K::W>();
-    let fit = (CHUNK_BYTES / row_bytes).max(1);
-    let rows = n.div_ceil(threads * 4).clamp(1, fit);
-    let chunks = n.div_ceil(rows);
-    (0..chunks).into_par_iter().for_each(|c| {
-        let j0 = c * rows;
-        run(j0, (j0 + rows).min(n));
-    });
+}
+
+/// Cuts the rows of each matrix (`(n, row_bytes)`) into chunks for the pool: small enough
+/// to stay in cache, at least 4 per thread over all matrices. Returns
+/// `(matrix, j0, j1)` jobs, or one job per matrix when the work is too small to share.
+pub fn plan(shapes: &[(usize, usize)], work: usize) -> Vec<(usize, usize, usize)> {
+    let threads = rayon::current_num_threads();
+    let serial = threads <= 1 || work < PAR_MIN_WORK;
+    let total: usize = shapes.iter().map(|s| s.0).sum();
+    let mut jobs = Vec::new();
+    for (i, &(n, row_bytes)) in shapes.iter().enumerate() {
+        let rows = if serial {
+            n.max(1)
+        } else {
+            let fit = (CHUNK_BYTES / row_bytes.max(1)).max(1);
+            // This matrix's share of threads * 4 chunks.
+            let want = (threads * 4 * n).div_ceil(total.max(1)).max(1);
+            n.div_ceil(want).clamp(1, fit)
+        };
+        let mut j0 = 0;
+        while j0 < n {
+            jobs.push((i, j0, (j0 + rows).min(n)));
+            j0 += rows;
+        }
+    }
+    jobs
+}
+
+/// Runs `job` for every planned chunk, on the pool when there is more than one.
+pub fn execute(jobs: &[(usize, usize, usize)], job: impl Fn(usize, usize, usize) + Sync) {
+    if jobs.len() <= 1 || rayon::current_num_threads() <= 1 {
+        for &(i, j0, j1) in jobs {
+            job(i, j0, j1);
+        }
+    } else {
+        jobs.par_iter().for_each(|&(i, j0, j1)| job(i, j0, j1));
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

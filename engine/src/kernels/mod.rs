@@ -20,6 +20,7 @@ pub mod q8;
 
 use candle_core::quantized::GgmlDType;
 pub use matmul::Isa;
+use matmul::OutPtr;
 
 /// Weight types with a kernel here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,20 +147,29 @@ impl<'a> QMatrix<'a> {
     /// As [`Self::matmul`] with a chosen instruction set (tests compare them).
     /// `Isa::Avx2` on a CPU without it falls back to scalar.
     pub fn matmul_isa(&self, x: &[f32], m: usize, out: &mut [f32], isa: Isa) {
-        let isa = if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
-            Isa::Scalar
-        } else {
-            isa
-        };
-        let (n, k, d) = (self.n, self.k, self.data);
+        matmul_many_isa(&[*self], x, m, &mut [out], isa)
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.k / self.ty.block_size() * self.ty.type_size()
+    }
+
+    /// Output columns `j0..j1` for all `m` rows.
+    ///
+    /// # Safety
+    /// `out` points to an `m * n` buffer where no one else writes columns `j0..j1`; `acts`
+    /// holds the formats this type needs.
+    unsafe fn run(&self, acts: &Acts, m: usize, j0: usize, j1: usize, out: OutPtr, isa: Isa) {
+        use matmul::run_rows;
+        let (n, d) = (self.n, self.data);
         match self.ty {
-            QType::Q4_0 => matmul::matmul::<dot::Q4_0>(cast(d), n, k, x, m, out, isa),
-            QType::Q4_1 => matmul::matmul::<dot::Q4_1>(cast(d), n, k, x, m, out, isa),
-            QType::Q5_0 => matmul::matmul::<dot::Q5_0>(cast(d), n, k, x, m, out, isa),
-            QType::Q5_1 => matmul::matmul::<dot::Q5_1>(cast(d), n, k, x, m, out, isa),
-            QType::Q8_0 => matmul::matmul::<dot::Q8_0>(cast(d), n, k, x, m, out, isa),
-            QType::Q4K => matmul::matmul::<dot::Q4K>(cast(d), n, k, x, m, out, isa),
-            QType::Q6K => matmul::matmul::<dot::Q6K>(cast(d), n, k, x, m, out, isa),
+            QType::Q4_0 => run_rows::<dot::Q4_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+            QType::Q4_1 => run_rows::<dot::Q4_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+            QType::Q5_0 => run_rows::<dot::Q5_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+            QType::Q5_1 => run_rows::<dot::Q5_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+            QType::Q8_0 => run_rows::<dot::Q8_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+            QType::Q4K => run_rows::<dot::Q4K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
+            QType::Q6K => run_rows::<dot::Q6K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
         }
     }
 
@@ -183,6 +193,59 @@ impl<'a> QMatrix<'a> {
             QType::Q6K => go::<blocks::BlockQ6K>(d, len),
         }
     }
+}
+
+/// The input rows quantised in the formats the weight types need.
+struct Acts {
+    q8: Vec<q8::Q8Block>,
+    q8k: Vec<q8::Q8KBlock>,
+}
+
+/// Several matrices with the same input (q/k/v, gate/up): `outs[i] = x · ws[i]ᵀ`, with the
+/// input quantised once per format and ONE parallel region for all of them.
+pub fn matmul_many(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]]) {
+    matmul_many_isa(ws, x, m, outs, Isa::detect())
+}
+
+/// As [`matmul_many`] with a chosen instruction set.
+pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]], isa: Isa) {
+    let isa = if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
+        Isa::Scalar
+    } else {
+        isa
+    };
+    assert_eq!(ws.len(), outs.len(), "one output per matrix");
+    let Some(k) = ws.first().map(|w| w.k) else {
+        return;
+    };
+    assert!(ws.iter().all(|w| w.k == k), "matrices with different k");
+    assert_eq!(x.len(), m * k, "input length");
+    for (w, o) in ws.iter().zip(outs.iter()) {
+        assert_eq!(o.len(), m * w.n, "output length");
+    }
+    if m == 0 {
+        return;
+    }
+    let acts = Acts {
+        q8: if ws.iter().any(|w| w.ty.block_size() == blocks::QK) {
+            matmul::quantize_rows::<dot::Q8_0>(x, m, k)
+        } else {
+            Vec::new()
+        },
+        q8k: if ws.iter().any(|w| w.ty.block_size() == blocks::QK_K) {
+            matmul::quantize_rows::<dot::Q4K>(x, m, k)
+        } else {
+            Vec::new()
+        },
+    };
+    let shapes: Vec<(usize, usize)> = ws.iter().map(|w| (w.n, w.row_bytes())).collect();
+    let work = m * k * ws.iter().map(|w| w.n).sum::<usize>();
+    let jobs = matmul::plan(&shapes, work);
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    // SAFETY: each output holds m * n values and the jobs' column ranges are disjoint.
+    matmul::execute(&jobs, |i, j0, j1| unsafe {
+        ws[i].run(&acts, m, j0, j1, ptrs[i], isa)
+    });
 }
 
 #[cfg(test)]

@@ -8,9 +8,11 @@
 //! `Linear` derefs to the wrapped `QMatMul`, so code that wants candle's type (e.g. to slice
 //! rows of the LM head) still can.
 
-use crate::kernels::{QMatrix, QType};
+use crate::kernels::{matmul_many, QMatrix, QType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Module, Result, Shape, Tensor};
+use candle_core::{
+    CpuStorage, CustomOp1, DType, Device, Layout, Module, Result, Shape, Storage, Tensor,
+};
 use std::sync::Arc;
 
 pub struct Linear {
@@ -89,6 +91,55 @@ impl Linear {
             _ => self.inner.forward(x),
         }
     }
+}
+
+/// `[l.forward(x) for l in ls]` for matrices sharing their input (q/k/v, gate/up): on the
+/// kernel path the input is quantised once and all of them run in one parallel region.
+pub fn forward_many(ls: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+    let ops: Option<Vec<&KernelOp>> = ls.iter().map(|l| l.kernel.as_ref()).collect();
+    let ops = match ops {
+        Some(ops)
+            if x.dtype() == DType::F32
+                && x.device().is_cpu()
+                && ops.iter().all(|o| o.k == ops[0].k)
+                && x.dims().last() == Some(&ops[0].k) =>
+        {
+            ops
+        }
+        _ => return ls.iter().map(|l| l.forward(x)).collect(),
+    };
+    let x = x.contiguous()?;
+    let k = ops[0].k;
+    let (storage, layout) = x.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("forward_many: input is not on the CPU")
+    };
+    let Some((o0, o1)) = layout.contiguous_offsets() else {
+        candle_core::bail!("forward_many: input is not contiguous")
+    };
+    let xs = &cpu.as_slice::<f32>()?[o0..o1];
+    let m = xs.len() / k;
+    let datas = ops.iter().map(|o| o.w.data()).collect::<Result<Vec<_>>>()?;
+    let ws = ops
+        .iter()
+        .zip(&datas)
+        .map(|(o, d)| QMatrix::new(o.ty, o.n, o.k, d).map_err(candle_core::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
+    let mut outs: Vec<Vec<f32>> = ops.iter().map(|o| vec![0f32; m * o.n]).collect();
+    {
+        let mut refs: Vec<&mut [f32]> = outs.iter_mut().map(|v| v.as_mut_slice()).collect();
+        matmul_many(&ws, xs, m, &mut refs);
+    }
+    drop(storage);
+    let dims = x.dims();
+    outs.into_iter()
+        .zip(&ops)
+        .map(|(v, o)| {
+            let mut shape = dims.to_vec();
+            *shape.last_mut().expect("rank >= 1") = o.n;
+            Tensor::from_vec(v, shape, &Device::Cpu)
+        })
+        .collect()
 }
 
 impl std::ops::Deref for Linear {

@@ -224,9 +224,10 @@ impl Model {
                 (&cos_g, &sin_g)
             };
             let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
-            let mut q = w.wq.forward(&h)?.reshape((t, nh, hd))?;
-            let mut k = w.wk.forward(&h)?.reshape((t, nkv, hd))?;
-            let v = w.wv.forward(&h)?;
+            let qkv = linear::forward_many(&[&w.wq, &w.wk, &w.wv], &h)?;
+            let mut q = qkv[0].reshape((t, nh, hd))?;
+            let mut k = qkv[1].reshape((t, nkv, hd))?;
+            let v = &qkv[2];
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
                 q = candle_nn::ops::rms_norm(&q, qn, eps)?;
                 k = candle_nn::ops::rms_norm(&k, kn, eps)?;
@@ -254,12 +255,12 @@ impl Model {
             }
             x = (x + o)?;
             let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
-            let g = w.gate.forward(&h)?;
+            let gu = linear::forward_many(&[&w.gate, &w.up], &h)?;
             let g = match cfg.activation {
-                Activation::Silu => candle_nn::ops::silu(&g)?,
-                Activation::GeluTanh => g.gelu()?,
+                Activation::Silu => candle_nn::ops::silu(&gu[0])?,
+                Activation::GeluTanh => gu[0].gelu()?,
             };
-            let mut m = w.down.forward(&(g * w.up.forward(&h)?)?)?;
+            let mut m = w.down.forward(&(g * &gu[1])?)?;
             if let Some(n) = &w.post_ffn_norm {
                 m = candle_nn::ops::rms_norm(&m, n, eps)?;
             }
