@@ -148,8 +148,18 @@ pub async fn run_pod(
 
     let (tx, mut rx) = mpsc::channel::<(usize, ContainerStatus, bool)>(64);
     let mut running = 0;
+    let mut refresher = None;
     if let Some(prepared) = prepared {
         info!(pod = %format!("{ns}/{name}"), %ip, dir = %dir.display(), "starting");
+        let (client, pod, dir) = (shared.client.clone(), pod.clone(), dir.clone());
+        refresher = Some(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                if let Err(e) = refresh_volumes(&client, &pod, &dir).await {
+                    warn!(pod = %pod.name_any(), "refreshing volumes: {e:#}");
+                }
+            }
+        }));
         for (i, c) in prepared.into_iter().enumerate() {
             let c = Arc::new(ContainerRun {
                 idx: i,
@@ -181,6 +191,9 @@ pub async fn run_pod(
         status.write(&api, &name).await;
     }
 
+    if let Some(r) = refresher {
+        r.abort();
+    }
     // Everything has exited: wait for the deletion (or the shutdown), then remove the pod.
     while stop.borrow().is_none() {
         if stop.changed().await.is_err() {
@@ -334,11 +347,39 @@ async fn field_value(pod: &Pod, path: &str, ip: Ipv4Addr, host_ip: &str) -> Opti
     })
 }
 
+/// Writes `bytes` to `path` when they differ from what is there, atomically (a reader
+/// polling the file never sees half of it).
 fn write_file(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    if std::fs::read(path).is_ok_and(|old| old == bytes) {
+        return Ok(());
+    }
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}
+
+/// Re-reads the ConfigMap and Secret volumes of a running pod (a kubelet propagates their
+/// updates, e.g. a cost table stored after the pod started).
+async fn refresh_volumes(client: &Client, pod: &Pod, dir: &Path) -> anyhow::Result<()> {
+    let ns = pod.namespace().unwrap_or_default();
+    for v in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+        let vdir = dir.join("volumes").join(&v.name);
+        if let Some(cm) = &v.config_map {
+            let data = config_map_data(client, &ns, &cm.name, true).await?;
+            write_items(&vdir, &data, cm.items.as_ref())?;
+        } else if let Some(sec) = &v.secret {
+            let name = sec.secret_name.clone().unwrap_or_default();
+            let data = secret_data(client, &ns, &name, true).await?;
+            write_items(&vdir, &data, sec.items.as_ref())?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes `data` (key -> bytes) into `dir`, all keys or the listed `items`.

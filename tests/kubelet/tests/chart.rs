@@ -556,5 +556,11 @@ spec:
     if let Err(e) = result {
         std::panic::resume_unwind(e);
     }
+    // Passed: the kubelet's directory (pod logs) is only worth keeping after a failure.
+    drop(_kubelet);
+    let _ = std::fs::remove_dir_all(
+        std::env::temp_dir().join(format!("dspark-chart-kubelet-{}", std::process::id())),
+    );
+    let _ = std::fs::remove_file(std::env::temp_dir().join(format!("{ns}-dsd.yaml")));
     eprintln!("chart test took {:.1}s", t0.elapsed().as_secs_f64());
 }
