@@ -53,7 +53,7 @@ else
 fi
 
 step "opentelemetry collector (tests/otel)"
-# Built once from Go modules into ${DSPARK_CACHE}/otel/<key>/bin/otelcol (~2.5 min cold on
+# Built once from Go modules into ${DSPARK_CACHE}/otel/<key>/bin/otelcol (2.5-5 min cold on
 # 2 cores; a cached key returns at once).
 if command -v go >/dev/null; then
   tests/otel/otelcol.sh build
