@@ -11,7 +11,7 @@ requests (some streaming) and pushes a cost table (revision 1, source admin) and
 (a refusal), so every engine series moves.
 
 Template variables are replaced the way Grafana would with "All" selected: $model and $pool
-by `.*`, $__rate_interval by RATE below. Alert expressions are run whole (they must evaluate)
+by `.*`, $__rate_interval by promql.RATE (20 s). Alert expressions are run whole (they must evaluate)
 and by their signal: the left side of the final comparison and the argument of absent(),
 which must return data (a healthy system's alert expression itself is empty).
 """
@@ -30,8 +30,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, http, non_loopback_sockets
+from promql import (POOL_GAUGE, dashboard_exprs, is_operator_expr, needs_cluster, signals,
+                    substitute)
 
-GRAFANA = ROOT / "config" / "grafana"
+GRAFANA = ROOT / "config" / "grafana"  # (promql.py reads the dashboards)
 ALERTS = ROOT / "config" / "prometheus" / "alerts.yaml"
 PROM_K8S = ROOT / "config" / "prometheus" / "prometheus.yaml"
 # Where the picture goes. The checked-in docs/img/dashboard.png is refreshed with
@@ -39,7 +41,6 @@ PROM_K8S = ROOT / "config" / "prometheus" / "prometheus.yaml"
 # (by default a test run writes to the log dir, so `make test` leaves the work tree clean).
 PNG = Path(os.environ.get("DSPARK_DASHBOARD_PNG",
                           Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / "dspark-dashboard.png"))
-RATE = "20s"          # $__rate_interval for the instant checks (1 s scrape interval)
 PNG_RATE = "6s"       # and for the rendered time series
 MIN_SCRAPES = 20      # engine samples in Prometheus before the expressions are checked
 PUSH_AT, MORE_AT, CHECK_AT = 10, 22, 36  # timeline of the load, seconds (see `stack`)
@@ -51,105 +52,6 @@ PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
     "red green blue red green blue red green blue red green",
 ]
-
-
-def substitute(expr, rate=RATE):
-    return (expr.replace("$__rate_interval", rate).replace("${model}", ".*").replace("$model", ".*")
-            .replace("${pool}", ".*").replace("$pool", ".*"))
-
-
-def dashboard_exprs():
-    """[(dashboard file, panel title, legend, expr)] of every target of every panel."""
-    out = []
-    for f in sorted(GRAFANA.glob("*.json")):
-        doc = json.loads(f.read_text())
-        panels = list(doc["panels"])
-        for p in list(panels):
-            panels.extend(p.get("panels", []))
-        for p in panels:
-            for t in p.get("targets", []):
-                if t.get("expr"):
-                    out.append((f.name, p["title"], t.get("legendFormat", ""), t["expr"]))
-        for v in doc.get("templating", {}).get("list", []):
-            q = v.get("query")
-            if isinstance(q, dict):
-                q = q.get("query")
-            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", q or "")
-            if m:  # the variable's series selector must match something
-                out.append((f.name, f"variable ${v['name']}", "", m.group(1)))
-    return out
-
-
-def is_operator_expr(expr):
-    return "dspark_operator_" in expr or 'job="dspark-operator"' in expr
-
-
-POOL_GAUGE = re.compile(r"\bdspark_operator_pool_\w+")
-
-
-def needs_cluster(expr):
-    """The operator's per-pool gauges have series only once it reconciled a DSparkDeployment
-    (a cluster: `make e2e`); here they are checked by name and syntax only."""
-    return bool(POOL_GAUGE.search(expr))
-
-
-# --- PromQL signal extraction (top-level scanning, enough for these rule files) -----------
-
-def _top_level(expr):
-    """Yields (index, char) of characters outside (), [], {} and string literals."""
-    depth, quote, i = 0, None, 0
-    while i < len(expr):
-        c = expr[i]
-        if quote:
-            if c == "\\":
-                i += 2
-                continue
-            if c == quote:
-                quote = None
-        elif c in "\"'`":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif depth == 0:
-            yield i, c
-        i += 1
-
-
-def _split_set_ops(expr):
-    parts, start = [], 0
-    positions = {i for i, _ in _top_level(expr)}
-    for m in re.finditer(r"\b(and|or|unless)\b", expr):
-        if m.start() in positions:
-            parts.append(expr[start:m.start()])
-            start = m.end()
-    parts.append(expr[start:])
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _strip_comparison(expr):
-    last = None
-    top = dict(_top_level(expr))
-    for i in sorted(top):
-        two = expr[i:i + 2]
-        if two in (">=", "<=", "==", "!=") and i + 1 in top:
-            last = (i, 2)
-        elif top[i] in "<>" and (last is None or last[0] != i - 1):
-            last = (i, 1)
-    if last is None:
-        return expr.strip()
-    return expr[:last[0]].strip()
-
-
-def signals(expr):
-    """The expressions that must return data when the system is healthy."""
-    out = []
-    for part in _split_set_ops(expr):
-        lhs = _strip_comparison(part)
-        m = re.fullmatch(r"absent\((.*)\)", lhs, re.S)
-        out.append(m.group(1).strip() if m else lhs)
-    return out
 
 
 def test_signal_extraction():
