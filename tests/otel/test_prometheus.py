@@ -291,6 +291,29 @@ def test_operator_pool_expressions(stack):
     print(f"declared by the operator: {sorted(used)}; values need a DSparkDeployment (make e2e)")
 
 
+# Metric families deliberately on no dashboard or alert (name: why).
+NOT_ON_DASHBOARDS = {}
+
+
+def _families(addr):
+    status, body = http("GET", f"http://{addr}/metrics")
+    assert status == 200
+    return sorted(set(re.findall(r"^# TYPE (\S+) ", body.decode(), re.M)))
+
+
+@pytest.mark.parametrize("who", ["engine", "operator"])
+def test_every_metric_family_is_used(stack, who):
+    """Every metric family the engine / the operator declares appears in a dashboard or an
+    alert (or in NOT_ON_DASHBOARDS with a reason): new metrics get a panel."""
+    addr = f"127.0.0.1:{stack['engine'].port}" if who == "engine" else stack["operator"]
+    used = "\n".join(e for *_, e in dashboard_exprs()) + "\n" + ALERTS.read_text()
+    fams = _families(addr)
+    assert len(fams) >= (20 if who == "engine" else 10), fams
+    unused = [f for f in fams if f not in NOT_ON_DASHBOARDS
+              and not re.search(rf"\b{re.escape(f)}(_total|_bucket|_sum|_count)?\b", used)]
+    assert not unused, f"{who} metrics on no dashboard/alert: {unused}"
+
+
 # --- the picture --------------------------------------------------------------------------
 
 KEY_PANELS = [
