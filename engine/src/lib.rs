@@ -20,6 +20,7 @@ pub mod sampling;
 pub mod server;
 pub mod spec;
 pub mod tokenizer;
+pub mod train;
 
 /// Engine version, recorded in cost tables.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

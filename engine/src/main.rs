@@ -24,6 +24,12 @@ enum Cmd {
     Serve(ServeArgs),
     /// Measure SPS(B) (target forwards per second at B batch tokens) and write a cost table.
     Profile(ProfileArgs),
+    /// Train a drafter on self-distilled data (generated first if missing).
+    Train(dspark_engine::train::cli::TrainArgs),
+    /// Fit the STS temperatures of a drafter on held-out data.
+    Calibrate(dspark_engine::train::cli::CalibrateArgs),
+    /// Measure acceptance (tau, per position), calibration and speed of drafters.
+    Eval(dspark_engine::train::cli::EvalArgs),
 }
 
 #[derive(clap::Args)]
@@ -142,6 +148,9 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Profile(a) => profile(a),
+        Cmd::Train(a) => dspark_engine::train::cli::run_train(a),
+        Cmd::Calibrate(a) => dspark_engine::train::cli::run_calibrate(a),
+        Cmd::Eval(a) => dspark_engine::train::cli::run_eval(a),
     }
 }
 

@@ -42,6 +42,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::ops::rms_norm;
 use candle_nn::Linear;
 use head::{ConfidenceHead, SeqHead};
+/// Checkpoint names of the sequential and confidence heads' tensors.
+pub use head::{CONF_B, CONF_W, RNN_B, RNN_W, W1, W2};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -149,8 +151,14 @@ impl DSparkConfig {
     }
 
     /// Rows of the draft LM head.
-    fn draft_vocab_size(&self) -> usize {
+    pub fn draft_vocab_size(&self) -> usize {
         self.draft_vocab.as_ref().map_or(self.vocab_size, Vec::len)
+    }
+
+    /// Whether this config fits `target`, as an error naming what does not.
+    pub fn validate(&self, target: &ModelConfig) -> Result<()> {
+        self.check(target)
+            .map_err(|e| anyhow::anyhow!("drafter config does not fit the target: {e}"))
     }
 
     /// Whether this config fits `target`; the message says what does not.
@@ -276,6 +284,15 @@ struct ParamSpec {
     name: String,
     shape: Vec<usize>,
     init: Init,
+}
+
+/// Every tensor a drafter with `cfg` has: checkpoint name and shape (the training code
+/// builds its variables from this list, so trained weights load here unchanged).
+pub fn param_shapes(cfg: &DSparkConfig) -> Vec<(String, Vec<usize>)> {
+    param_specs(cfg)
+        .into_iter()
+        .map(|s| (s.name, s.shape))
+        .collect()
 }
 
 /// Every tensor a drafter with `cfg` has, with its shape.
@@ -464,6 +481,23 @@ impl DSparkDrafter {
             DType::BF16,
             Path::new("<random init>"),
         )
+    }
+
+    /// A drafter from named tensors (e.g. trained variables), checked against `cfg` and
+    /// `target`; `save` writes them in `store_dtype`.
+    pub fn from_tensors(
+        target: &Model,
+        cfg: DSparkConfig,
+        tensors: HashMap<String, Tensor>,
+        store_dtype: DType,
+    ) -> Result<Self> {
+        cfg.validate(&target.cfg)?;
+        Self::build(target, cfg, tensors, store_dtype, Path::new("<tensors>"))
+    }
+
+    /// Every parameter by checkpoint name (f32).
+    pub fn tensors(&self) -> &BTreeMap<String, Tensor> {
+        &self.params
     }
 
     /// Loads a drafter folder (`config.json` + `model.safetensors`) for `target`.

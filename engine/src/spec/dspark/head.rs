@@ -7,12 +7,12 @@ use candle_core::{Module, Tensor};
 use candle_nn::Linear;
 use std::collections::BTreeMap;
 
-pub(super) const W1: &str = "markov_head.markov_w1.weight";
-pub(super) const W2: &str = "markov_head.markov_w2.weight";
-pub(super) const RNN_W: &str = "rnn_head.proj.weight";
-pub(super) const RNN_B: &str = "rnn_head.proj.bias";
-pub(super) const CONF_W: &str = "confidence_head.proj.weight";
-pub(super) const CONF_B: &str = "confidence_head.proj.bias";
+pub const W1: &str = "markov_head.markov_w1.weight";
+pub const W2: &str = "markov_head.markov_w2.weight";
+pub const RNN_W: &str = "rnn_head.proj.weight";
+pub const RNN_B: &str = "rnn_head.proj.bias";
+pub const CONF_W: &str = "confidence_head.proj.weight";
+pub const CONF_B: &str = "confidence_head.proj.bias";
 
 /// `W1: [V, r]` embeds the previous token, `W2: [V_draft, r]` maps rank r to draft logits.
 pub(super) enum SeqHead {

@@ -1,0 +1,422 @@
+//! The `train`, `calibrate` and `eval` subcommands (argument structs and drivers; `main.rs`
+//! only dispatches here).
+
+use super::calibrate::{collect, fit_sts};
+use super::data::{self, Dataset, DatasetMeta, GenOptions};
+use super::eval::{aggregate, generate, markdown, DomainStats, EvalDrafter};
+use super::loss::LossConfig;
+use super::model::TrainDrafter;
+use super::optim::OptimConfig;
+use super::{train, TrainConfig};
+use crate::runtime;
+use crate::spec::dspark::{default_target_layers, DSparkDrafter, HeadKind};
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+fn parse_head(s: &str) -> Result<HeadKind> {
+    Ok(match s {
+        "parallel" | "none" => HeadKind::Parallel,
+        "markov" | "dspark-markov" => HeadKind::Markov,
+        "rnn" | "dspark-rnn" => HeadKind::Rnn,
+        other => bail!("unknown head '{other}'; use parallel, dspark-markov or dspark-rnn"),
+    })
+}
+
+fn bar(len: u64, template: &str) -> ProgressBar {
+    let b = ProgressBar::new(len);
+    b.set_style(ProgressStyle::with_template(template).expect("valid template"));
+    b
+}
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Target model (GGUF file or Hugging Face folder).
+    #[arg(long, env = "DSPARK_MODEL")]
+    pub model: PathBuf,
+    /// Prompt files (JSONL) to regenerate when the dataset does not exist yet.
+    #[arg(long)]
+    pub prompts: Vec<PathBuf>,
+    /// Dataset cache folder (default ~/.cache/dspark/train/<model-id>/dataset).
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// Only build the dataset.
+    #[arg(long)]
+    pub generate_only: bool,
+    #[arg(long, default_value_t = 160)]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 8)]
+    pub gen_batch: usize,
+    /// Target probabilities kept per position.
+    #[arg(long, default_value_t = 20)]
+    pub topk: usize,
+    /// Target layers stored in a new dataset (default: the spread of 3).
+    #[arg(long, value_delimiter = ',')]
+    pub target_layers: Vec<usize>,
+    /// Run folder (checkpoint + resumable state); required unless --generate-only.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// parallel | dspark-markov | dspark-rnn.
+    #[arg(long, default_value = "dspark-markov")]
+    pub head: String,
+    #[arg(long, default_value_t = 600)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 4)]
+    pub seqs_per_step: usize,
+    #[arg(long, default_value_t = 16)]
+    pub anchors: usize,
+    #[arg(long, default_value_t = 7)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 1)]
+    pub layers: usize,
+    #[arg(long, default_value_t = 64)]
+    pub rank: usize,
+    /// Draft vocabulary size (0: the full target vocabulary).
+    #[arg(long, default_value_t = 8192)]
+    pub draft_vocab: usize,
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.04)]
+    pub warmup: f64,
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f64,
+    #[arg(long, default_value_t = 4.0)]
+    pub decay: f64,
+    #[arg(long, default_value_t = 0.1)]
+    pub heldout: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 50)]
+    pub save_every: usize,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+/// Loads the dataset at `dir`, generating it first from `prompts` if it is missing.
+fn dataset(
+    model: &crate::model::Model,
+    tok: &crate::tokenizer::TextTokenizer,
+    dir: &Path,
+    a: &TrainArgs,
+) -> Result<Dataset> {
+    if dir.join("meta.json").exists() {
+        return Dataset::load(dir);
+    }
+    if a.prompts.is_empty() {
+        bail!(
+            "no dataset at {} and no --prompts to generate one from",
+            dir.display()
+        );
+    }
+    let mut prompts = Vec::new();
+    for p in &a.prompts {
+        prompts.extend(data::read_prompts(p)?);
+    }
+    let layers = if a.target_layers.is_empty() {
+        default_target_layers(model.cfg.num_layers, 3)
+    } else {
+        a.target_layers.clone()
+    };
+    let pb = bar(
+        (prompts.len() * a.max_new_tokens) as u64,
+        "generating [{bar:30}] {pos}/{len} tokens (at most) {per_sec} {elapsed_precise}",
+    );
+    let t0 = Instant::now();
+    let seqs = data::generate(
+        model,
+        tok,
+        &prompts,
+        &GenOptions {
+            max_new_tokens: a.max_new_tokens,
+            batch: a.gen_batch,
+            topk: a.topk,
+            target_layers: layers.clone(),
+        },
+        &mut |n| pb.set_position(n as u64),
+    )?;
+    pb.finish_and_clear();
+    let names: Vec<String> = a.prompts.iter().map(|p| p.display().to_string()).collect();
+    let ds = Dataset {
+        meta: DatasetMeta {
+            format: data::FORMAT,
+            model_id: model.id.clone(),
+            vocab_size: model.cfg.vocab_size,
+            hidden_size: model.cfg.hidden_size,
+            num_layers: model.cfg.num_layers,
+            target_layers: layers,
+            topk: a.topk,
+            max_new_tokens: a.max_new_tokens,
+            generation: "greedy (temperature 0), batched engine forward".into(),
+            prompts: names.join(","),
+            total_tokens: seqs.iter().map(|s| s.meta.fed + 1).sum(),
+            seqs: seqs.iter().map(|s| s.meta.clone()).collect(),
+            seconds: t0.elapsed().as_secs_f64(),
+        },
+        seqs,
+    };
+    ds.save(dir)?;
+    eprintln!(
+        "dataset: {} sequences, {} tokens, {:.0}s -> {}",
+        ds.seqs.len(),
+        ds.meta.total_tokens,
+        ds.meta.seconds,
+        dir.display()
+    );
+    Ok(ds)
+}
+
+pub fn run_train(a: TrainArgs) -> Result<()> {
+    runtime::init_threads(a.threads);
+    let device = candle_core::Device::Cpu;
+    let (model, tok) = runtime::load(&a.model, &device, true)?;
+    let dir = a
+        .dataset
+        .clone()
+        .unwrap_or_else(|| data::default_dir(&model.id));
+    let ds = dataset(&model, &tok, &dir, &a)?;
+    if a.generate_only {
+        return Ok(());
+    }
+    let out = a
+        .out
+        .clone()
+        .context("--out RUN_FOLDER is required to train")?;
+    let tc = TrainConfig {
+        head: parse_head(&a.head)?,
+        block_size: a.block_size,
+        layers: a.layers,
+        rank: a.rank,
+        draft_vocab: a.draft_vocab,
+        steps: a.steps,
+        seqs_per_step: a.seqs_per_step,
+        anchors_per_seq: a.anchors,
+        seed: a.seed,
+        heldout_frac: a.heldout,
+        loss: LossConfig {
+            decay: a.decay,
+            ..Default::default()
+        },
+        optim: OptimConfig {
+            lr: a.lr,
+            warmup: a.warmup,
+            clip: a.clip,
+            ..Default::default()
+        },
+    };
+    let pb = bar(
+        tc.steps as u64,
+        "training [{bar:30}] {pos}/{len} steps {elapsed_precise}<{eta_precise} {msg}",
+    );
+    let st = train(&model, &ds, &tc, &out, a.save_every, &mut |r| {
+        pb.set_position(r.step as u64);
+        pb.set_message(format!(
+            "loss {:.3} acc@1 {:.2} lr {:.1e} {:.0} tok/s",
+            r.loss, r.acc1, r.lr, r.tokens_per_s
+        ));
+    })?;
+    pb.finish();
+    let last = st.log.last().copied().unwrap_or_default();
+    eprintln!(
+        "trained {} steps ({} block tokens) in {:.0}s: loss {:.3} (ce {:.3} l1 {:.3} bce {:.3} c* {:.3} acc@1 {:.2}) -> {}",
+        st.step,
+        st.block_tokens,
+        st.seconds,
+        last.1,
+        last.2,
+        last.3,
+        last.4,
+        last.5,
+        last.6,
+        out.display()
+    );
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct CalibrateArgs {
+    #[arg(long, env = "DSPARK_MODEL")]
+    pub model: PathBuf,
+    /// Drafter checkpoint folder; its config.json gets the temperatures.
+    #[arg(long)]
+    pub drafter: PathBuf,
+    #[arg(long)]
+    pub dataset: Option<PathBuf>,
+    /// Held-out fraction (must match training's --heldout).
+    #[arg(long, default_value_t = 0.1)]
+    pub heldout: f64,
+    /// Blocks per held-out sequence.
+    #[arg(long, default_value_t = 48)]
+    pub anchors: usize,
+    /// Also write the report as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
+    runtime::init_threads(a.threads);
+    let device = candle_core::Device::Cpu;
+    let (model, _) = runtime::load(&a.model, &device, true)?;
+    let dir = a
+        .dataset
+        .clone()
+        .unwrap_or_else(|| data::default_dir(&model.id));
+    let ds = Dataset::load(&dir)?;
+    let mut d = DSparkDrafter::load(&a.drafter, &model)?;
+    ds.check_fits(&model, d.target_layers())?;
+    d.set_sts_temperatures(None)?;
+    let td = TrainDrafter::new(&model, &d)?;
+    let (_, held) = ds.split(a.heldout);
+    let samples = collect(&model, &td, &ds, &held, a.anchors, 17)?;
+    let r = fit_sts(&samples)?;
+    println!(
+        "STS on {} held-out blocks ({} sequences)",
+        r.blocks,
+        held.len()
+    );
+    println!("| position k | T_k | ECE(prod c) before | after |\n|---|---|---|---|");
+    for k in 0..r.temperatures.len() {
+        println!(
+            "| {} | {:.3} | {:.4} | {:.4} |",
+            k + 1,
+            r.temperatures[k],
+            r.ece_before[k],
+            r.ece_after[k]
+        );
+    }
+    println!(
+        "| all | | {:.4} | {:.4} |",
+        r.ece_all_before, r.ece_all_after
+    );
+    d.set_sts_temperatures(Some(r.temperatures.iter().map(|&t| t as f32).collect()))?;
+    // Rewrite config.json only: the weights are unchanged.
+    let cfg_path = a.drafter.join("config.json");
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(d.config())?)
+        .with_context(|| format!("cannot write {}", cfg_path.display()))?;
+    if let Some(j) = a.json {
+        std::fs::write(&j, serde_json::to_string_pretty(&r)?)?;
+    }
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    #[arg(long, env = "DSPARK_MODEL")]
+    pub model: PathBuf,
+    /// NAME=FOLDER of a trained drafter (repeatable), e.g. dspark-markov=drafters/x.
+    #[arg(long = "drafter")]
+    pub drafters: Vec<String>,
+    /// Also evaluate n-gram prompt lookup.
+    #[arg(long)]
+    pub ngram: bool,
+    /// Also run plain decoding (speed baseline and losslessness check).
+    #[arg(long)]
+    pub plain: bool,
+    /// DOMAIN=FILE prompt sets (repeatable).
+    #[arg(long = "domain")]
+    pub domains: Vec<String>,
+    /// Prompts per domain.
+    #[arg(long, default_value_t = 10)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 96)]
+    pub max_new_tokens: usize,
+    #[arg(long, default_value_t = 7)]
+    pub gamma: usize,
+    /// JSON with every statistic (input of bench/plot_drafters.py).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+fn split_kv(s: &str) -> Result<(String, PathBuf)> {
+    let (k, v) = s
+        .split_once('=')
+        .with_context(|| format!("'{s}' is not NAME=PATH"))?;
+    Ok((k.to_string(), PathBuf::from(v)))
+}
+
+pub fn run_eval(a: EvalArgs) -> Result<()> {
+    runtime::init_threads(a.threads);
+    let device = candle_core::Device::Cpu;
+    let (model, tok) = runtime::load(&a.model, &device, true)?;
+    let mut drafters: Vec<(String, EvalDrafter)> = Vec::new();
+    if a.plain {
+        drafters.push(("plain".into(), EvalDrafter::Plain));
+    }
+    if a.ngram {
+        drafters.push(("ngram".into(), EvalDrafter::Ngram));
+    }
+    for d in &a.drafters {
+        let (name, path) = split_kv(d)?;
+        let dr = DSparkDrafter::load(&path, &model)?;
+        drafters.push((name, EvalDrafter::Model(Box::new(dr))));
+    }
+    if drafters.is_empty() {
+        bail!("nothing to evaluate: give --drafter NAME=DIR, --ngram or --plain");
+    }
+    let mut stats: Vec<DomainStats> = Vec::new();
+    for dom in &a.domains {
+        let (domain, file) = split_kv(dom)?;
+        let prompts: Vec<_> = data::read_prompts(&file)?
+            .into_iter()
+            .take(a.limit)
+            .collect();
+        let encoded = prompts
+            .iter()
+            .map(|p| data::encode_prompt(&tok, &model, p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut plain_out: Option<Vec<Vec<u32>>> = None;
+        for (name, d) in &drafters {
+            let pb = bar(
+                encoded.len() as u64,
+                "{msg} [{bar:20}] {pos}/{len} prompts {elapsed_precise}",
+            );
+            pb.set_message(format!("{domain} / {name}"));
+            let mut gens = Vec::new();
+            for p in &encoded {
+                gens.push(generate(
+                    &model,
+                    d,
+                    p,
+                    a.max_new_tokens,
+                    a.gamma,
+                    &tok.stop_ids,
+                )?);
+                pb.inc(1);
+            }
+            pb.finish_and_clear();
+            let mut s = aggregate(name, &domain, &gens, a.gamma);
+            let outs: Vec<Vec<u32>> = gens.into_iter().map(|g| g.tokens).collect();
+            match (&plain_out, matches!(d, EvalDrafter::Plain)) {
+                (None, true) => plain_out = Some(outs),
+                (Some(po), false) => s.matches_plain = Some(*po == outs),
+                _ => {}
+            }
+            eprintln!(
+                "{domain:>6} {name:>14}: tau {:.2}  tok/s {:.1}",
+                s.tau, s.tokens_per_s
+            );
+            stats.push(s);
+        }
+    }
+    println!("{}", markdown(&stats, a.gamma));
+    if let Some(j) = a.json {
+        if let Some(parent) = j.parent() {
+            std::fs::create_dir_all(parent).ok();
+        }
+        let doc = serde_json::json!({
+            "model": model.id,
+            "gamma": a.gamma,
+            "max_new_tokens": a.max_new_tokens,
+            "limit": a.limit,
+            "decoding": "greedy, single stream, every block verified in full",
+            "stats": stats,
+        });
+        std::fs::write(&j, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("cannot write {}", j.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! Acceptance evaluation: single-stream greedy speculative decoding with the engine's own
+//! pieces (the target's batched forward and paged KV cache, `DSparkDrafter::propose` fed with
+//! the target's hidden states like the step loop does, n-gram prompt lookup, and the
+//! lossless `verify` rule), one prompt at a time, every block verified in full.
+//!
+//! Per drafter and domain it reports `tau` (committed tokens per target forward while
+//! decoding), the conditional acceptance rate at each block position (accepted / reached),
+//! the reliability of the confidences (conditional `c_k` against acceptance, and ECE of the
+//! survival estimate `prod c` against observed survival) and wall-clock tokens/s.
+
+use super::calibrate::{ece, reliability};
+use crate::kv::KvCache;
+use crate::model::{argmax, Model, SeqBatch};
+use crate::sampling::{Dist, SamplingParams};
+use crate::spec::dspark::{DSparkDrafter, DraftRequest};
+use crate::spec::ngram;
+use crate::spec::verify::verify;
+use anyhow::{ensure, Result};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use std::time::Instant;
+
+/// A drafter under evaluation.
+pub enum EvalDrafter {
+    /// Plain decoding (the speed baseline).
+    Plain,
+    Ngram,
+    Model(Box<DSparkDrafter>),
+}
+
+/// One draft-and-verify cycle.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cycle {
+    pub drafted: usize,
+    pub accepted: usize,
+    pub confidence: Vec<f32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub cycles: Vec<Cycle>,
+    /// Target forwards after the prefill.
+    pub forwards: usize,
+    /// Wall-clock seconds of the decoding phase (after the prefill and its first token).
+    pub seconds: f64,
+}
+
+/// Greedy generation of up to `max_new` tokens after `prompt`, drafting blocks of `gamma`.
+pub fn generate(
+    target: &Model,
+    drafter: &EvalDrafter,
+    prompt: &[u32],
+    max_new: usize,
+    gamma: usize,
+    stop: &[u32],
+) -> Result<Generation> {
+    ensure!(
+        !prompt.is_empty() && max_new > 0,
+        "empty prompt or no new tokens"
+    );
+    let dev = &target.device;
+    let cap = prompt.len() + max_new + gamma + 16;
+    let tbytes = cap * KvCache::bytes_per_token(target.cfg.num_layers, target.cfg.kv_dim());
+    let mut kv = KvCache::new(target.cfg.num_layers, target.cfg.kv_dim(), tbytes, 16, dev)?;
+    let model = match drafter {
+        EvalDrafter::Model(d) => Some(d.as_ref()),
+        _ => None,
+    };
+    let mut dkv = match model {
+        Some(d) => {
+            let c = d.config();
+            let per =
+                KvCache::bytes_per_token(c.num_hidden_layers, c.num_key_value_heads * c.head_dim);
+            Some(d.new_cache(cap * per, 16, dev)?)
+        }
+        None => None,
+    };
+    let layers: Vec<usize> = model
+        .map(|d| d.target_layers().to_vec())
+        .unwrap_or_default();
+    let params = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let (mut table, mut dtable) = (Vec::new(), Vec::new());
+    let mut t0 = Instant::now();
+    let mut tokens = prompt.to_vec();
+    let mut cached = 0usize;
+    let mut cycles = Vec::new();
+    let mut forwards = 0;
+    let mut first = true;
+    loop {
+        let generated = tokens.len() - prompt.len();
+        if generated >= max_new || (!first && stop.contains(tokens.last().expect("non-empty"))) {
+            break;
+        }
+        let g = gamma.min(max_new - generated - 1);
+        let draft: Option<(Vec<u32>, Vec<Dist>, Vec<f32>)> = if first || g == 0 {
+            None
+        } else {
+            match drafter {
+                EvalDrafter::Plain => None,
+                EvalDrafter::Ngram => {
+                    let t = ngram::propose(&tokens, g, 1, 3);
+                    (!t.is_empty()).then(|| {
+                        let q = t.iter().map(|&x| Dist::Greedy(x)).collect();
+                        (t, q, Vec::new())
+                    })
+                }
+                EvalDrafter::Model(d) => {
+                    let dk = dkv.as_mut().expect("model drafter cache");
+                    ensure!(dk.ensure(&mut dtable, cached + g), "drafter cache full");
+                    let mut reqs = [DraftRequest {
+                        anchor: *tokens.last().expect("non-empty"),
+                        anchor_pos: cached,
+                        block_table: &dtable,
+                        gamma: g,
+                        params: &params,
+                        rng: &mut rng,
+                    }];
+                    let b = d.propose(dk, target, &mut reqs)?.pop().expect("one block");
+                    Some((b.tokens, b.q, b.confidence))
+                }
+            }
+        };
+        let fed: Vec<u32> = match &draft {
+            Some((t, _, _)) => std::iter::once(tokens[cached])
+                .chain(t.iter().copied())
+                .collect(),
+            None => tokens[cached..].to_vec(),
+        };
+        ensure!(
+            kv.ensure(&mut table, cached + fed.len()),
+            "target cache full"
+        );
+        let nd = draft.as_ref().map_or(0, |d| d.0.len());
+        let out = target.forward(
+            &[SeqBatch {
+                tokens: fed.clone(),
+                start_pos: cached,
+                block_table: table.clone(),
+                num_logits: 1 + nd,
+            }],
+            &mut kv,
+            &layers,
+        )?;
+        if !first {
+            forwards += 1;
+        }
+        let rows = out.logits.to_vec2::<f32>()?;
+        let (commit, valid) = match &draft {
+            None => (vec![argmax(&rows[0])], fed.len()),
+            Some((t, q, conf)) => {
+                let p: Vec<Dist> = rows.iter().map(|r| Dist::Greedy(argmax(r))).collect();
+                let v = verify(t, q, &p, &mut rng);
+                cycles.push(Cycle {
+                    drafted: t.len(),
+                    accepted: v.accepted,
+                    confidence: conf.clone(),
+                });
+                (v.tokens, fed.len() - t.len() + v.accepted)
+            }
+        };
+        if let (Some(d), Some(dk)) = (model, dkv.as_mut()) {
+            ensure!(dk.ensure(&mut dtable, cached + valid), "drafter cache full");
+            let h: Vec<candle_core::Tensor> = out
+                .hidden
+                .iter()
+                .map(|h| h.narrow(0, 0, valid))
+                .collect::<candle_core::Result<_>>()?;
+            d.append_context(dk, &dtable, cached, &h)?;
+        }
+        cached += valid;
+        kv.truncate(&mut table, cached);
+        if let Some(dk) = dkv.as_mut() {
+            dk.truncate(&mut dtable, cached);
+        }
+        for t in commit {
+            tokens.push(t);
+            if tokens.len() - prompt.len() >= max_new || stop.contains(&t) {
+                break;
+            }
+        }
+        if first {
+            t0 = Instant::now();
+        }
+        first = false;
+    }
+    Ok(Generation {
+        tokens: tokens[prompt.len()..].to_vec(),
+        cycles,
+        forwards,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Aggregated results of one drafter on one domain.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DomainStats {
+    pub drafter: String,
+    pub domain: String,
+    pub prompts: usize,
+    pub new_tokens: usize,
+    pub forwards: usize,
+    /// Committed tokens per decoding target forward.
+    pub tau: f64,
+    /// Mean committed tokens per verified block (accepted + 1), over cycles that drafted.
+    pub tau_block: f64,
+    pub cycles: usize,
+    /// `accepted[k] / reached[k]`.
+    pub acceptance: Vec<f64>,
+    pub reached: Vec<usize>,
+    /// Decoding tokens/s (the prefill excluded).
+    pub tokens_per_s: f64,
+    pub seconds: f64,
+    /// Conditional reliability bins `(mean c_k, acceptance, count)` (model drafters).
+    pub reliability: Vec<(f64, f64, usize)>,
+    /// ECE of conditional `c_k` vs acceptance, and of `prod c` vs survival.
+    pub ece_conditional: Option<f64>,
+    pub ece_survival: Option<f64>,
+    /// Whether every output equals the plain-decoding output (when that was run).
+    pub matches_plain: Option<bool>,
+}
+
+/// Aggregates generations of one drafter on one domain.
+pub fn aggregate(drafter: &str, domain: &str, gens: &[Generation], gamma: usize) -> DomainStats {
+    let mut s = DomainStats {
+        drafter: drafter.into(),
+        domain: domain.into(),
+        prompts: gens.len(),
+        acceptance: vec![0.0; gamma],
+        reached: vec![0; gamma],
+        ..Default::default()
+    };
+    let mut acc = vec![0usize; gamma];
+    let (mut cc, mut co, mut sa, mut so) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut block_sum = 0usize;
+    for g in gens {
+        // The prefill's token is not a decoding step.
+        s.new_tokens += g.tokens.len().saturating_sub(1);
+        s.forwards += g.forwards;
+        s.seconds += g.seconds;
+        for c in &g.cycles {
+            s.cycles += 1;
+            block_sum += c.accepted + 1;
+            let mut surv = 1.0f64;
+            #[allow(clippy::needless_range_loop)]
+            for k in 0..c.drafted.min(gamma) {
+                let ok = k < c.accepted;
+                if k <= c.accepted {
+                    s.reached[k] += 1;
+                    acc[k] += ok as usize;
+                    if let Some(&conf) = c.confidence.get(k) {
+                        cc.push(conf as f64);
+                        co.push(ok as u8 as f64);
+                    }
+                }
+                if let Some(&conf) = c.confidence.get(k) {
+                    surv *= conf as f64;
+                    sa.push(surv);
+                    so.push((k < c.accepted) as u8 as f64);
+                }
+            }
+        }
+    }
+    s.acceptance = acc
+        .iter()
+        .zip(&s.reached)
+        .map(|(&a, &r)| a as f64 / r.max(1) as f64)
+        .collect();
+    s.tau = s.new_tokens as f64 / s.forwards.max(1) as f64;
+    s.tau_block = block_sum as f64 / s.cycles.max(1) as f64;
+    s.tokens_per_s = s.new_tokens as f64 / s.seconds.max(1e-9);
+    if !cc.is_empty() {
+        s.reliability = reliability(&cc, &co, 10);
+        s.ece_conditional = Some(ece(&cc, &co, 15));
+        s.ece_survival = Some(ece(&sa, &so, 15));
+    }
+    s
+}
+
+/// Markdown tables: tau and per-position acceptance per drafter and domain.
+pub fn markdown(stats: &[DomainStats], gamma: usize) -> String {
+    let mut out = String::new();
+    out.push_str("| drafter | domain | tau (tok/fwd) | accepted+1 per block | ");
+    for k in 1..=gamma {
+        out.push_str(&format!("acc@{k} | "));
+    }
+    out.push_str("ECE(prod c) | tok/s | = plain |\n|---|---|---|---|");
+    for _ in 0..gamma {
+        out.push_str("---|");
+    }
+    out.push_str("---|---|---|\n");
+    for s in stats {
+        let block = if s.cycles > 0 {
+            format!("{:.2}", s.tau_block)
+        } else {
+            "-".into()
+        };
+        out.push_str(&format!(
+            "| {} | {} | {:.2} | {block} | ",
+            s.drafter, s.domain, s.tau
+        ));
+        for k in 0..gamma {
+            if s.reached[k] > 0 {
+                out.push_str(&format!("{:.2} | ", s.acceptance[k]));
+            } else {
+                out.push_str("- | ");
+            }
+        }
+        out.push_str(&format!(
+            "{} | {:.1} | {} |\n",
+            s.ece_survival.map_or("-".into(), |e| format!("{:.3}", e)),
+            s.tokens_per_s,
+            s.matches_plain
+                .map_or("-", |m| if m { "yes" } else { "NO" })
+        ));
+    }
+    out
+}

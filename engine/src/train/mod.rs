@@ -1,0 +1,318 @@
+//! Drafter training (issue #5): self-distilled data ([`data`]), a differentiable drafter
+//! with the serving drafter's parameters ([`model`]), the DSpark loss ([`loss`]), AdamW with
+//! warm-up + cosine and clipping ([`optim`]), Sequential Temperature Scaling
+//! ([`calibrate`]) and the acceptance evaluation ([`eval`]).
+//!
+//! A training run lives in one folder: `config.json` + `model.safetensors` (the serving
+//! checkpoint, bf16, loadable by `DSparkDrafter::load`) and `train/` (f32 variables,
+//! optimiser moments and `state.json`), from which an interrupted run resumes exactly.
+
+pub mod calibrate;
+pub mod cli;
+pub mod data;
+pub mod eval;
+pub mod loss;
+pub mod model;
+pub mod optim;
+#[cfg(test)]
+mod tests;
+
+use crate::model::Model;
+use crate::spec::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::{DType, Tensor};
+use data::{Dataset, Sequence};
+use loss::{dspark_loss, LossConfig, Targets};
+use model::{Blocks, TrainDrafter};
+use optim::{AdamW, OptimConfig};
+use rand::seq::index::sample;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// Everything that defines a training run (stored in `train/state.json`; a resumed run must
+/// match it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub head: HeadKind,
+    pub block_size: usize,
+    pub layers: usize,
+    pub rank: usize,
+    /// Rows of the draft LM head (0: the full vocabulary).
+    pub draft_vocab: usize,
+    pub steps: usize,
+    pub seqs_per_step: usize,
+    pub anchors_per_seq: usize,
+    pub seed: u64,
+    pub heldout_frac: f64,
+    pub loss: LossConfig,
+    pub optim: OptimConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainState {
+    pub config: TrainConfig,
+    pub step: usize,
+    pub seconds: f64,
+    pub block_tokens: usize,
+    /// `(step, loss, ce, l1, bce, c*, acc@1)` every logged step.
+    pub log: Vec<(usize, f32, f32, f32, f32, f32, f32)>,
+    pub dataset: String,
+}
+
+const STATE: &str = "train/state.json";
+const VARS: &str = "train/vars.safetensors";
+const OPT: &str = "train/optim.safetensors";
+
+/// Maps target ids to draft-vocabulary rows.
+pub struct VocabMap {
+    pub rows: HashMap<u32, u32>,
+    pub size: usize,
+}
+
+impl VocabMap {
+    pub fn new(cfg: &DSparkConfig) -> Self {
+        match &cfg.draft_vocab {
+            Some(v) => Self {
+                rows: v
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &id)| (id, i as u32))
+                    .collect(),
+                size: v.len(),
+            },
+            None => Self {
+                rows: (0..cfg.vocab_size as u32).map(|i| (i, i)).collect(),
+                size: cfg.vocab_size,
+            },
+        }
+    }
+}
+
+/// Loss targets of the blocks at `anchors` of `s`.
+pub fn targets(
+    s: &Sequence,
+    anchors: &[usize],
+    gamma: usize,
+    k: usize,
+    vm: &VocabMap,
+) -> Result<Targets> {
+    let rows = anchors.len() * gamma;
+    let mut y = Vec::with_capacity(rows);
+    let mut p = vec![0f32; rows * vm.size];
+    let mut p_out = Vec::with_capacity(rows);
+    for (i, &a) in anchors.iter().enumerate() {
+        for j in 0..gamma {
+            let r = i * gamma + j;
+            y.push(vm.rows.get(&s.tokens[a + j + 1]).copied());
+            let (ids, ps) = s.topk(a + j, k);
+            let mut out = 0.0;
+            for (&id, &pr) in ids.iter().zip(ps) {
+                match vm.rows.get(&id) {
+                    Some(&d) => p[r * vm.size + d as usize] = pr,
+                    None => out += pr,
+                }
+            }
+            p_out.push(out);
+        }
+    }
+    Ok(Targets {
+        y,
+        p: Tensor::from_vec(p, (rows, vm.size), &candle_core::Device::Cpu)?,
+        p_out,
+    })
+}
+
+/// Up to `n` distinct random anchors of `s`, ascending.
+pub fn pick_anchors(s: &Sequence, gamma: usize, n: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+    let Some(r) = s.anchor_range(gamma) else {
+        return Vec::new();
+    };
+    let len = r.end() - r.start() + 1;
+    let mut a: Vec<usize> = sample(rng, len, n.min(len))
+        .into_iter()
+        .map(|i| r.start() + i)
+        .collect();
+    a.sort_unstable();
+    a
+}
+
+/// The drafter config of a new run.
+pub fn new_config(target: &Model, ds: &Dataset, tc: &TrainConfig) -> DSparkConfig {
+    let mut cfg = DSparkDrafter::default_config(target, tc.head, tc.block_size);
+    cfg.num_hidden_layers = tc.layers;
+    cfg.markov_rank = tc.rank;
+    cfg.target_layer_ids = ds.meta.target_layers.clone();
+    if tc.draft_vocab > 0 && tc.draft_vocab < target.cfg.vocab_size {
+        cfg.draft_vocab = Some(ds.draft_vocab(tc.draft_vocab));
+    }
+    cfg
+}
+
+/// Progress of one step, for the caller's progress bar.
+pub struct StepReport {
+    pub step: usize,
+    pub loss: f32,
+    pub acc1: f32,
+    pub lr: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Trains (or resumes) a drafter in `out`.
+pub fn train(
+    target: &Model,
+    ds: &Dataset,
+    tc: &TrainConfig,
+    out: &Path,
+    save_every: usize,
+    report: &mut dyn FnMut(&StepReport),
+) -> Result<TrainState> {
+    let state_path = out.join(STATE);
+    let (drafter, mut state) = if state_path.exists() {
+        let st: TrainState = serde_json::from_str(&std::fs::read_to_string(&state_path)?)
+            .with_context(|| format!("{} is not a training state", state_path.display()))?;
+        if st.config != *tc {
+            bail!(
+                "{} holds a run with different settings ({:?}); use another --out or the same settings",
+                out.display(),
+                st.config
+            );
+        }
+        let d = DSparkDrafter::load(out, target)?;
+        let mut d_cfg = d.config().clone();
+        d_cfg.sts_temperatures = None;
+        let vars = candle_core::safetensors::load(out.join(VARS), &target.device)
+            .with_context(|| format!("cannot read {}", out.join(VARS).display()))?;
+        (
+            DSparkDrafter::from_tensors(target, d_cfg, vars, DType::F32)?,
+            st,
+        )
+    } else {
+        let cfg = new_config(target, ds, tc);
+        (
+            DSparkDrafter::random(target, cfg, tc.seed)?,
+            TrainState {
+                config: tc.clone(),
+                step: 0,
+                seconds: 0.0,
+                block_tokens: 0,
+                log: Vec::new(),
+                dataset: ds.meta.model_id.clone(),
+            },
+        )
+    };
+    ds.check_fits(target, &drafter.config().target_layer_ids)?;
+    let td = TrainDrafter::new(target, &drafter)?;
+    drop(drafter);
+    let mut opt = AdamW::new(td.vars(), tc.optim)?;
+    if state.step > 0 {
+        opt.load(&out.join(OPT), state.step)?;
+    }
+    let (train_idx, _) = ds.split(tc.heldout_frac);
+    let usable: Vec<usize> = train_idx
+        .into_iter()
+        .filter(|&i| ds.seqs[i].anchor_range(tc.block_size).is_some())
+        .collect();
+    ensure!(
+        !usable.is_empty(),
+        "no training sequence is long enough for a block of {}",
+        tc.block_size
+    );
+    let vm = VocabMap::new(&td.cfg);
+    let gamma = tc.block_size;
+    let k = ds.meta.topk;
+    let t0 = Instant::now();
+    let base_seconds = state.seconds;
+    while state.step < tc.steps {
+        let step = state.step;
+        let ts = Instant::now();
+        let mut rng =
+            ChaCha8Rng::seed_from_u64(tc.seed.wrapping_mul(0x9E37_79B9).wrapping_add(step as u64));
+        let mut total: Option<Tensor> = None;
+        let (mut sums, mut rows, mut hits, mut n_rows) = ([0f32; 5], 0usize, 0usize, 0usize);
+        for _ in 0..tc.seqs_per_step {
+            let s = &ds.seqs[usable[rng.random_range(0..usable.len())]];
+            let anchors = pick_anchors(s, gamma, tc.anchors_per_seq, &mut rng);
+            let tmax = *anchors.last().expect("usable sequences have anchors");
+            let feats = s.feats.narrow(0, 0, tmax)?.to_dtype(DType::F32)?;
+            let out = td.forward(
+                target,
+                &Blocks {
+                    feats: &feats,
+                    tokens: &s.tokens,
+                    anchors: &anchors,
+                },
+            )?;
+            let t = targets(s, &anchors, gamma, k, &vm)?;
+            let parts = dspark_loss(&out, &t, gamma, &tc.loss)?;
+            let l = (parts.total.clone() / tc.seqs_per_step as f64)?;
+            total = Some(match total {
+                Some(x) => (x + l)?,
+                None => l,
+            });
+            for (acc, v) in sums.iter_mut().zip([
+                parts.total.to_scalar::<f32>()?,
+                parts.ce,
+                parts.l1,
+                parts.bce,
+                parts.c_star,
+            ]) {
+                *acc += v / tc.seqs_per_step as f32;
+            }
+            rows += anchors.len() * gamma;
+            hits += parts.hits[0].0;
+            n_rows += parts.hits[0].1;
+        }
+        let total = total.expect("seqs_per_step >= 1");
+        let mut grads = total.backward()?;
+        optim::clip_grad_norm(&mut grads, opt.vars(), tc.optim.clip)?;
+        let lr = tc.optim.lr_at(step, tc.steps);
+        opt.step(&grads, lr)?;
+        state.step += 1;
+        state.block_tokens += rows;
+        let acc1 = hits as f32 / n_rows.max(1) as f32;
+        if step % 10 == 0 || state.step == tc.steps {
+            state
+                .log
+                .push((step, sums[0], sums[1], sums[2], sums[3], sums[4], acc1));
+        }
+        report(&StepReport {
+            step: state.step,
+            loss: sums[0],
+            acc1,
+            lr,
+            tokens_per_s: rows as f64 / ts.elapsed().as_secs_f64(),
+        });
+        state.seconds = base_seconds + t0.elapsed().as_secs_f64();
+        if state.step % save_every.max(1) == 0 || state.step == tc.steps {
+            save_run(target, &td, &opt, &state, out)?;
+        }
+    }
+    Ok(state)
+}
+
+/// Writes the serving checkpoint (bf16) and the resumable training state.
+fn save_run(
+    target: &Model,
+    td: &TrainDrafter,
+    opt: &AdamW,
+    st: &TrainState,
+    out: &Path,
+) -> Result<()> {
+    std::fs::create_dir_all(out.join("train"))?;
+    td.to_drafter(target, DType::BF16)?.save(out)?;
+    let vars: HashMap<String, Tensor> = td
+        .vars()
+        .into_iter()
+        .map(|(k, v)| (k, v.as_tensor().detach()))
+        .collect();
+    candle_core::safetensors::save(&vars, out.join(VARS))?;
+    opt.save(&out.join(OPT))?;
+    let tmp = out.join("train/state.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string(st)?)?;
+    std::fs::rename(&tmp, out.join(STATE))?;
+    Ok(())
+}

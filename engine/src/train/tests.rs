@@ -1,0 +1,489 @@
+//! Training tests on a tiny random Llama target (a Hugging Face folder written here).
+
+use super::calibrate::{ece, fit_sts, sigmoid, Samples};
+use super::data::{topk_probs, Dataset, DatasetMeta, SeqMeta, Sequence};
+use super::loss::{dspark_loss, LossConfig};
+use super::model::{Blocks, TrainDrafter};
+use super::*;
+use crate::kv::KvCache;
+use crate::model::SeqBatch;
+use crate::sampling::{Dist, SamplingParams};
+use crate::spec::dspark::DraftRequest;
+use candle_core::{Device, Var};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const VOCAB: usize = 96;
+const HIDDEN: usize = 32;
+const LAYERS: usize = 6;
+const GAMMA: usize = 4;
+const TOPK: usize = 8;
+
+fn scratch_dir(tag: &str) -> PathBuf {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("dspark-train-{}-{n}-{tag}", std::process::id()));
+    std::fs::remove_dir_all(&d).ok();
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn uniform(rng: &mut ChaCha8Rng, shape: &[usize], bound: f32) -> Tensor {
+    let n = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..=bound)).collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+fn tiny_target() -> Model {
+    let dir = scratch_dir("target");
+    let (h, i, q, kv) = (HIDDEN, 64, 4 * 8, 2 * 8);
+    let cfg = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB, "hidden_size": h, "intermediate_size": i,
+        "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut t = HashMap::new();
+    let ones = Tensor::ones(h, DType::F32, &Device::Cpu).unwrap();
+    t.insert(
+        "model.embed_tokens.weight".to_string(),
+        uniform(&mut rng, &[VOCAB, h], 1.0),
+    );
+    t.insert(
+        "lm_head.weight".to_string(),
+        uniform(&mut rng, &[VOCAB, h], 0.5),
+    );
+    t.insert("model.norm.weight".to_string(), ones.clone());
+    for l in 0..LAYERS {
+        let p = |s: &str| format!("model.layers.{l}.{s}.weight");
+        for (name, shape) in [
+            ("self_attn.q_proj", [q, h]),
+            ("self_attn.k_proj", [kv, h]),
+            ("self_attn.v_proj", [kv, h]),
+            ("self_attn.o_proj", [h, q]),
+            ("mlp.gate_proj", [i, h]),
+            ("mlp.up_proj", [i, h]),
+            ("mlp.down_proj", [h, i]),
+        ] {
+            let bound = 1.0 / (shape[1] as f32).sqrt();
+            t.insert(p(name), uniform(&mut rng, &shape, bound));
+        }
+        t.insert(p("input_layernorm"), ones.clone());
+        t.insert(p("post_attention_layernorm"), ones.clone());
+    }
+    candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
+    let model = Model::load(&dir, &Device::Cpu, &|_, _| {}).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    model
+}
+
+fn small_config(target: &Model, head: HeadKind, draft_vocab: Option<Vec<u32>>) -> DSparkConfig {
+    let mut cfg = DSparkDrafter::default_config(target, head, GAMMA);
+    cfg.markov_rank = 8;
+    cfg.intermediate_size = 48;
+    cfg.draft_vocab = draft_vocab;
+    cfg
+}
+
+/// Target hidden states of `layers` (concatenated) and logits for every position of `tokens`.
+fn target_pass(target: &Model, tokens: &[u32], layers: &[usize]) -> (Tensor, Vec<Vec<f32>>) {
+    let bytes = (tokens.len() + 32) * KvCache::bytes_per_token(LAYERS, target.cfg.kv_dim());
+    let mut kv = KvCache::new(LAYERS, target.cfg.kv_dim(), bytes, 16, &Device::Cpu).unwrap();
+    let mut table = Vec::new();
+    assert!(kv.ensure(&mut table, tokens.len()));
+    let out = target
+        .forward(
+            &[SeqBatch {
+                tokens: tokens.to_vec(),
+                start_pos: 0,
+                block_table: table,
+                num_logits: tokens.len(),
+            }],
+            &mut kv,
+            layers,
+        )
+        .unwrap();
+    let feats = if out.hidden.is_empty() {
+        Tensor::zeros((tokens.len(), 0), DType::F32, &Device::Cpu).unwrap()
+    } else {
+        Tensor::cat(&out.hidden, 1).unwrap()
+    };
+    (feats, out.logits.to_vec2().unwrap())
+}
+
+/// A greedy continuation of a random prompt by the tiny target, as a dataset sequence.
+fn synthetic_dataset(target: &Model, layers: &[usize], n: usize, len: usize) -> Dataset {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut seqs = Vec::new();
+    for i in 0..n {
+        let prompt_len = 6;
+        let mut tokens: Vec<u32> = (0..prompt_len)
+            .map(|_| rng.random_range(0..VOCAB as u32))
+            .collect();
+        while tokens.len() < len + 1 {
+            let (_, logits) = target_pass(target, &tokens, &[]);
+            tokens.push(crate::model::argmax(logits.last().unwrap()));
+        }
+        let fed = len;
+        let (feats, logits) = target_pass(target, &tokens[..fed], layers);
+        let (mut ids, mut ps) = (Vec::new(), Vec::new());
+        for l in &logits[prompt_len - 1..] {
+            let (a, b) = topk_probs(l, TOPK);
+            ids.extend(a);
+            ps.extend(b);
+        }
+        seqs.push(Sequence {
+            meta: SeqMeta {
+                id: format!("s{i}"),
+                domain: "test".into(),
+                prompt_len,
+                fed,
+            },
+            tokens,
+            feats: feats.to_dtype(DType::F16).unwrap(),
+            topk_ids: ids,
+            topk_p: ps,
+        });
+    }
+    Dataset {
+        meta: DatasetMeta {
+            format: data::FORMAT,
+            model_id: target.id.clone(),
+            vocab_size: VOCAB,
+            hidden_size: HIDDEN,
+            num_layers: LAYERS,
+            target_layers: layers.to_vec(),
+            topk: TOPK,
+            max_new_tokens: len,
+            generation: "greedy".into(),
+            prompts: "synthetic".into(),
+            seqs: seqs.iter().map(|s| s.meta.clone()).collect(),
+            total_tokens: n * len,
+            seconds: 0.0,
+        },
+        seqs,
+    }
+}
+
+fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
+    TrainConfig {
+        head,
+        block_size: GAMMA,
+        layers: 1,
+        rank: 8,
+        draft_vocab: 64,
+        steps,
+        seqs_per_step: 2,
+        anchors_per_seq: 4,
+        seed: 3,
+        heldout_frac: 0.25,
+        loss: LossConfig::default(),
+        optim: OptimConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    }
+}
+
+#[test]
+fn training_forward_matches_serving_propose() {
+    let target = tiny_target();
+    let vocab: Vec<u32> = (0..VOCAB as u32).rev().step_by(2).collect();
+    for (head, dv) in [
+        (HeadKind::Markov, None),
+        (HeadKind::Markov, Some(vocab.clone())),
+        (HeadKind::Rnn, Some(vocab.clone())),
+        (HeadKind::Parallel, None),
+    ] {
+        let cfg = small_config(&target, head, dv.clone());
+        let d = DSparkDrafter::random(&target, cfg, 7).unwrap();
+        let layers = d.target_layers().to_vec();
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let seq: Vec<u32> = (0..20).map(|_| rng.random_range(0..VOCAB as u32)).collect();
+        let anchor_pos = 13;
+        let (feats, _) = target_pass(&target, &seq[..anchor_pos], &layers);
+        // Serving: context, then one block at temperature 1.
+        let mut kv = d.new_cache(1 << 20, 16, &Device::Cpu).unwrap();
+        let mut table = Vec::new();
+        assert!(kv.ensure(&mut table, anchor_pos + GAMMA));
+        let hidden: Vec<Tensor> = (0..layers.len())
+            .map(|i| feats.narrow(1, i * HIDDEN, HIDDEN).unwrap())
+            .collect();
+        d.append_context(&mut kv, &table, 0, &hidden).unwrap();
+        let params = SamplingParams::default();
+        let mut srng = ChaCha8Rng::seed_from_u64(9);
+        let mut reqs = [DraftRequest {
+            anchor: seq[anchor_pos],
+            anchor_pos,
+            block_table: &table,
+            gamma: GAMMA,
+            params: &params,
+            rng: &mut srng,
+        }];
+        let block = d
+            .propose(&mut kv, &target, &mut reqs)
+            .unwrap()
+            .pop()
+            .unwrap();
+        // Training: the drafted tokens as teacher-forced inputs.
+        let mut tokens = seq[..=anchor_pos].to_vec();
+        tokens.extend_from_slice(&block.tokens);
+        let td = TrainDrafter::new(&target, &d).unwrap();
+        let out = td
+            .forward(
+                &target,
+                &Blocks {
+                    feats: &feats,
+                    tokens: &tokens,
+                    anchors: &[anchor_pos],
+                },
+            )
+            .unwrap();
+        let q: Vec<Vec<f32>> = candle_nn::ops::softmax(&out.logits, candle_core::D::Minus1)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        let z: Vec<f32> = out.conf_logit.unwrap().to_vec1().unwrap();
+        let ids: Vec<u32> = dv.clone().unwrap_or_else(|| (0..VOCAB as u32).collect());
+        for k in 0..GAMMA {
+            let Dist::Probs(serv) = &block.q[k] else {
+                panic!("temperature 1 gives probabilities")
+            };
+            for (row, &id) in ids.iter().enumerate() {
+                let (a, b) = (q[k][row], serv[id as usize]);
+                assert!(
+                    (a - b).abs() < 1e-5,
+                    "{head:?} k={k} id={id}: train {a} serve {b}"
+                );
+            }
+            let c = sigmoid(z[k] as f64) as f32;
+            assert!(
+                (c - block.confidence[k]).abs() < 1e-5,
+                "{head:?} confidence k={k}: {c} vs {}",
+                block.confidence[k]
+            );
+        }
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    let target = tiny_target();
+    let cfg = small_config(&target, HeadKind::Rnn, Some((0..48).collect()));
+    let d = DSparkDrafter::random(&target, cfg, 2).unwrap();
+    let layers = d.target_layers().to_vec();
+    let ds = synthetic_dataset(&target, &layers, 1, 24);
+    let td = TrainDrafter::new(&target, &d).unwrap();
+    let vm = VocabMap::new(&td.cfg);
+    let s = &ds.seqs[0];
+    let anchors = [6usize, 11, 15];
+    let feats = s
+        .feats
+        .narrow(0, 0, 15)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let t = targets(s, &anchors, GAMMA, TOPK, &vm).unwrap();
+    let lcfg = LossConfig::default();
+    let loss = |td: &TrainDrafter| -> Tensor {
+        let out = td
+            .forward(
+                &target,
+                &Blocks {
+                    feats: &feats,
+                    tokens: &s.tokens,
+                    anchors: &anchors,
+                },
+            )
+            .unwrap();
+        dspark_loss(&out, &t, GAMMA, &lcfg).unwrap().total
+    };
+    let grads = loss(&td).backward().unwrap();
+    let vars: HashMap<String, Var> = td.vars().into_iter().collect();
+    let mut checked = 0;
+    for name in [
+        "fc.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "rnn_head.proj.weight",
+        "confidence_head.proj.weight",
+        "mask_embedding",
+    ] {
+        let var = &vars[name];
+        let g: Vec<f32> = grads
+            .get(var.as_tensor())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let i = (0..g.len())
+            .max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs()))
+            .unwrap();
+        let orig = var.as_tensor().copy().unwrap();
+        let base: Vec<f32> = orig.flatten_all().unwrap().to_vec1().unwrap();
+        let eps = 1e-2f32;
+        let at = |delta: f32| -> f64 {
+            let mut v = base.clone();
+            v[i] += delta;
+            var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+            loss(&td).to_scalar::<f32>().unwrap() as f64
+        };
+        let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
+        var.set(&Tensor::from_vec(base.clone(), orig.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+        let an = g[i] as f64;
+        assert!(
+            (fd - an).abs() <= 0.05 * an.abs() + 2e-3,
+            "{name}[{i}]: finite difference {fd}, autograd {an}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 9);
+}
+
+#[test]
+fn a_few_steps_reduce_the_loss_and_resume_exactly() {
+    let target = tiny_target();
+    let layers = crate::spec::dspark::default_target_layers(LAYERS, 3);
+    let ds = synthetic_dataset(&target, &layers, 6, 40);
+    let eval_loss = |dir: &Path| -> f32 {
+        let d = DSparkDrafter::load(dir, &target).unwrap();
+        let td = TrainDrafter::new(&target, &d).unwrap();
+        let vm = VocabMap::new(&td.cfg);
+        let mut tot = 0.0;
+        for s in &ds.seqs {
+            let anchors = [8usize, 16, 24, 30];
+            let feats = s
+                .feats
+                .narrow(0, 0, 30)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let out = td
+                .forward(
+                    &target,
+                    &Blocks {
+                        feats: &feats,
+                        tokens: &s.tokens,
+                        anchors: &anchors,
+                    },
+                )
+                .unwrap();
+            let t = targets(s, &anchors, GAMMA, TOPK, &vm).unwrap();
+            tot += dspark_loss(&out, &t, GAMMA, &LossConfig::default())
+                .unwrap()
+                .total
+                .to_scalar::<f32>()
+                .unwrap();
+        }
+        tot
+    };
+    // One run of 30 steps straight ...
+    let a = scratch_dir("run-a");
+    let tc = train_config(HeadKind::Markov, 30);
+    let tc1 = TrainConfig {
+        steps: 1,
+        ..tc.clone()
+    };
+    train(&target, &ds, &tc1, &a.join("init"), 1, &mut |_| {}).unwrap();
+    let before = eval_loss(&a.join("init"));
+    let st = train(&target, &ds, &tc, &a, 100, &mut |_| {}).unwrap();
+    assert_eq!(st.step, 30);
+    let after = eval_loss(&a);
+    assert!(after < before * 0.95, "loss {before} -> {after}");
+    // ... equals 12 steps, a stop, and a resume to 30 (checkpoint round trip).
+    let b = scratch_dir("run-b");
+    let mut stop_at_12 = tc.clone();
+    stop_at_12.steps = 30;
+    let mut n = 0;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        train(&target, &ds, &stop_at_12, &b, 4, &mut |rep| {
+            n = rep.step;
+            if rep.step == 12 {
+                panic!("simulated interruption");
+            }
+        })
+    }));
+    assert!(r.is_err() && n == 12);
+    let st = train(&target, &ds, &tc, &b, 4, &mut |_| {}).unwrap();
+    assert_eq!(st.step, 30);
+    let va = candle_core::safetensors::load(a.join(VARS), &Device::Cpu).unwrap();
+    let vb = candle_core::safetensors::load(b.join(VARS), &Device::Cpu).unwrap();
+    for (k, x) in &va {
+        let diff = (x - &vb[k])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-6, "{k} differs after resume by {diff}");
+    }
+    // The serving checkpoint loads and carries the trained (bf16-rounded) weights.
+    let d = DSparkDrafter::load(&a, &target).unwrap();
+    let w = &d.tensors()["fc.weight"];
+    let v = va["fc.weight"]
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    assert_eq!(w.to_vec2::<f32>().unwrap(), v.to_vec2::<f32>().unwrap());
+    // Resuming on a dataset that stores other target layers is refused with a clear error.
+    let other = synthetic_dataset(&target, &[0, 1], 1, 20);
+    let longer = TrainConfig {
+        steps: 31,
+        ..tc.clone()
+    };
+    let e = train(&target, &other, &tc, &a, 10, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("target layers"), "{e}");
+    // ... and so is resuming with other settings.
+    let e = train(&target, &ds, &longer, &a, 10, &mut |_| {}).unwrap_err();
+    assert!(e.to_string().contains("different settings"), "{e}");
+    for dir in [a, b] {
+        std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn sts_lowers_ece_on_overconfident_samples_and_keeps_ranking() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let mut s = Samples::default();
+    for _ in 0..3000 {
+        let mut z = Vec::new();
+        let mut ok = Vec::new();
+        for k in 0..5 {
+            let u: f64 = rng.random_range(-2.0..2.5) - 0.2 * k as f64;
+            z.push((3.0 * u) as f32); // over-confident: the true logit is u
+            ok.push(rng.random::<f64>() < sigmoid(u));
+        }
+        s.z.push(z);
+        s.ok.push(ok);
+    }
+    let r = fit_sts(&s).unwrap();
+    assert!(r.ece_all_after < 0.5 * r.ece_all_before, "{r:?}");
+    for k in 0..5 {
+        assert!(r.ece_after[k] <= r.ece_before[k] + 1e-9, "{r:?}");
+        assert!(
+            r.temperatures[k] > 1.5,
+            "over-confidence needs T > 1: {r:?}"
+        );
+        // Ranking preserved at every position.
+        let mut idx: Vec<usize> = (0..s.z.len()).collect();
+        idx.sort_by(|&a, &b| s.z[a][k].total_cmp(&s.z[b][k]));
+        let cal: Vec<f64> = idx
+            .iter()
+            .map(|&i| sigmoid(s.z[i][k] as f64 / r.temperatures[k]))
+            .collect();
+        assert!(cal.windows(2).all(|w| w[0] <= w[1]));
+    }
+    assert!(ece(&[0.5, 0.5], &[1.0, 0.0], 10) < 1e-12);
+}
