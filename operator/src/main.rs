@@ -63,12 +63,11 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,kube=warn".into()),
-        )
-        .init();
+    if std::env::var_os("RUST_LOG").is_none() {
+        std::env::set_var("RUST_LOG", "info,kube=warn");
+    }
+    // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
+    let _telemetry = dspark_telemetry::init("dspark-operator")?;
     let args = Args::parse();
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "local".into());
@@ -78,6 +77,7 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("no Kubernetes configuration (KUBECONFIG or in-cluster)")?;
     let metrics = Arc::new(Metrics::default());
+    dspark_operator::telemetry::export_otel(&metrics);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {

@@ -1,9 +1,10 @@
 //! The operator's own Prometheus metrics (served on `/metrics` with `/healthz`), kept out of the
 //! reconcile logic: the reconciler only bumps counters.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::routing::get;
@@ -24,11 +25,51 @@ pub struct Metrics {
     pub pushes: AtomicU64,
     pub push_failures: AtomicU64,
     pub leader: AtomicBool,
+    /// Per (deployment `ns/name`, pool): what the last reconcile saw and decided.
+    pub pools: Mutex<BTreeMap<(String, String), PoolGauges>>,
+}
+
+/// One pool's replicas and SLO measurements, as of the last reconcile.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PoolGauges {
+    pub desired: i32,
+    pub ready: i32,
+    /// Measured p95s, seconds (None: no fresh data).
+    pub ttft_p95: Option<f64>,
+    pub itl_p95: Option<f64>,
+    /// Live acceptance length (committed tokens per verify step).
+    pub acceptance_length: Option<f64>,
+    pub request_rate: f64,
 }
 
 impl Metrics {
     pub fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records a pool's state after a reconcile.
+    pub fn set_pool(&self, deployment: &str, pool: &str, g: PoolGauges) {
+        self.pools
+            .lock()
+            .expect("pool gauges lock")
+            .insert((deployment.to_string(), pool.to_string()), g);
+    }
+
+    /// Forgets every pool of a deleted deployment.
+    pub fn forget_deployment(&self, deployment: &str) {
+        self.pools
+            .lock()
+            .expect("pool gauges lock")
+            .retain(|(d, _), _| d != deployment);
+    }
+
+    fn pool_snapshot(&self) -> Vec<((String, String), PoolGauges)> {
+        self.pools
+            .lock()
+            .expect("pool gauges lock")
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Prometheus text exposition.
@@ -91,12 +132,132 @@ impl Metrics {
             out,
             "# HELP dspark_operator_reconcile_duration_seconds_sum Time spent reconciling.\n# TYPE dspark_operator_reconcile_duration_seconds_sum counter\ndspark_operator_reconcile_duration_seconds_sum {secs}"
         );
+        let pools = self.pool_snapshot();
+        type Field = fn(&PoolGauges) -> Option<f64>;
+        let gauges: [(&str, &str, Field); 6] = [
+            (
+                "dspark_operator_pool_desired_replicas",
+                "Replicas the operator wants for the pool.",
+                |g| Some(f64::from(g.desired)),
+            ),
+            (
+                "dspark_operator_pool_ready_replicas",
+                "Ready engine pods of the pool.",
+                |g| Some(f64::from(g.ready)),
+            ),
+            (
+                "dspark_operator_pool_ttft_p95_seconds",
+                "Measured p95 time to first token of the pool (fresh data only).",
+                |g| g.ttft_p95,
+            ),
+            (
+                "dspark_operator_pool_itl_p95_seconds",
+                "Measured p95 inter-token latency of the pool (fresh data only).",
+                |g| g.itl_p95,
+            ),
+            (
+                "dspark_operator_pool_acceptance_length",
+                "Live acceptance length of the pool's engines.",
+                |g| g.acceptance_length,
+            ),
+            (
+                "dspark_operator_pool_request_rate",
+                "Finished requests per second of the pool.",
+                |g| Some(g.request_rate),
+            ),
+        ];
+        for (name, help, f) in gauges {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for ((d, p), g) in &pools {
+                if let Some(v) = f(g) {
+                    let _ = writeln!(out, "{name}{{deployment=\"{d}\",pool=\"{p}\"}} {v}");
+                }
+            }
+        }
         let leader = u8::from(self.leader.load(Ordering::Relaxed));
         let _ = writeln!(
             out,
             "# HELP dspark_operator_leader Whether this replica holds the leader Lease.\n# TYPE dspark_operator_leader gauge\ndspark_operator_leader {leader}"
         );
         out
+    }
+}
+
+/// Exports the same counters and pool gauges over OTLP (observable instruments read at each
+/// export; no-ops unless `dspark_telemetry::init` switched OTLP on).
+pub fn export_otel(m: &Arc<Metrics>) {
+    use opentelemetry::KeyValue;
+    let meter = dspark_telemetry::meter("dspark-operator");
+    type Counter = fn(&Metrics) -> &AtomicU64;
+    let counters: [(&'static str, Counter); 9] = [
+        ("dspark.operator.reconciles", |m| &m.reconciles),
+        ("dspark.operator.reconcile.errors", |m| &m.reconcile_errors),
+        ("dspark.operator.scaling.decisions", |m| {
+            &m.scaling_decisions
+        }),
+        ("dspark.operator.scaling.advisory_decisions", |m| {
+            &m.advisory_decisions
+        }),
+        ("dspark.operator.profiling.jobs", |m| &m.profiling_jobs),
+        ("dspark.operator.profiling.failures", |m| {
+            &m.profiling_failures
+        }),
+        ("dspark.operator.cost_table.stored", |m| {
+            &m.cost_tables_stored
+        }),
+        ("dspark.operator.cost_table.pushes", |m| &m.pushes),
+        ("dspark.operator.cost_table.push_failures", |m| {
+            &m.push_failures
+        }),
+    ];
+    for (name, field) in counters {
+        let m = m.clone();
+        let _ = meter
+            .u64_observable_counter(name)
+            .with_callback(move |o| o.observe(field(&m).load(Ordering::Relaxed), &[]))
+            .build();
+    }
+    let mm = m.clone();
+    let _ = meter
+        .f64_observable_counter("dspark.operator.reconcile.duration")
+        .with_unit("s")
+        .with_description("Time spent reconciling")
+        .with_callback(move |o| {
+            o.observe(
+                mm.reconcile_micros.load(Ordering::Relaxed) as f64 / 1e6,
+                &[],
+            )
+        })
+        .build();
+    type Field = fn(&PoolGauges) -> Option<f64>;
+    let pool_gauges: [(&'static str, Field); 5] = [
+        ("dspark.operator.pool.desired_replicas", |g| {
+            Some(f64::from(g.desired))
+        }),
+        ("dspark.operator.pool.ready_replicas", |g| {
+            Some(f64::from(g.ready))
+        }),
+        ("dspark.operator.pool.ttft_p95", |g| g.ttft_p95),
+        ("dspark.operator.pool.itl_p95", |g| g.itl_p95),
+        ("dspark.operator.pool.acceptance_length", |g| {
+            g.acceptance_length
+        }),
+    ];
+    for (name, f) in pool_gauges {
+        let m = m.clone();
+        let _ = meter
+            .f64_observable_gauge(name)
+            .with_callback(move |o| {
+                for ((d, p), g) in m.pool_snapshot() {
+                    if let Some(v) = f(&g) {
+                        o.observe(
+                            v,
+                            &[KeyValue::new("deployment", d), KeyValue::new("pool", p)],
+                        );
+                    }
+                }
+            })
+            .build();
     }
 }
 
@@ -123,5 +284,32 @@ mod tests {
         let text = m.render();
         assert!(text.contains("dspark_operator_reconciles_total 1\n"));
         assert!(text.contains("dspark_operator_leader 1\n"));
+    }
+
+    #[test]
+    fn renders_pool_gauges_and_forgets_deleted_deployments() {
+        let m = Metrics::default();
+        m.set_pool(
+            "ns/a",
+            "h100",
+            PoolGauges {
+                desired: 3,
+                ready: 2,
+                ttft_p95: Some(0.25),
+                itl_p95: None,
+                acceptance_length: Some(2.5),
+                request_rate: 1.5,
+            },
+        );
+        let text = m.render();
+        assert!(text.contains(
+            "dspark_operator_pool_desired_replicas{deployment=\"ns/a\",pool=\"h100\"} 3\n"
+        ));
+        assert!(text.contains(
+            "dspark_operator_pool_ttft_p95_seconds{deployment=\"ns/a\",pool=\"h100\"} 0.25\n"
+        ));
+        assert!(!text.contains("dspark_operator_pool_itl_p95_seconds{"));
+        m.forget_deployment("ns/a");
+        assert!(!m.render().contains("deployment=\"ns/a\""));
     }
 }

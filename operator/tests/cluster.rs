@@ -738,3 +738,155 @@ async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
     }
     drop_namespace(&client, &ns).await;
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Stops the collector and the operator process when the test ends, pass or fail.
+struct OtlpStack {
+    otel_dir: std::path::PathBuf,
+    operator: std::process::Child,
+}
+
+impl Drop for OtlpStack {
+    fn drop(&mut self) {
+        let _ = self.operator.kill();
+        let _ = self.operator.wait();
+        let _ = std::process::Command::new(repo("tests/otel/otelcol.sh"))
+            .arg("down")
+            .env("DSPARK_OTEL_DIR", &self.otel_dir)
+            .status();
+    }
+}
+
+/// The `dspark-operator` binary with OTLP on, against the real apiserver and the real
+/// collector (tests/otel): every reconcile is a `reconcile` span naming the deployment, each
+/// autoscaling evaluation an `autoscale decision` child span with its inputs and reason,
+/// and the operator's counters and pool gauges arrive as OTLP metrics.
+#[tokio::test]
+async fn operator_exports_reconcile_and_autoscale_spans_over_otlp() {
+    let Some(client) = cluster("operator_otlp").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-otlp").await;
+    let otel_dir = std::env::temp_dir().join(format!("dspark-it-otel-{}", std::process::id()));
+    let http_port = free_port();
+    let env = [
+        ("DSPARK_OTEL_DIR", otel_dir.display().to_string()),
+        ("DSPARK_OTEL_GRPC_PORT", free_port().to_string()),
+        ("DSPARK_OTEL_HTTP_PORT", http_port.to_string()),
+        ("DSPARK_OTEL_METRICS_PORT", free_port().to_string()),
+    ];
+    let up = std::process::Command::new(repo("tests/otel/otelcol.sh"))
+        .args(["up", "--test"])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .status()
+        .expect("tests/otel/otelcol.sh runs");
+    assert!(up.success(), "the collector did not start");
+    let debug_log = otel_dir.join("debug-exporter.log");
+    let operator = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-operator"))
+        .args([
+            "--namespace",
+            &ns,
+            "--http",
+            &format!("127.0.0.1:{}", free_port()),
+            "--no-leader-election",
+        ])
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{http_port}"),
+        )
+        .env("OTEL_SERVICE_NAME", "dspark-operator-it")
+        .env("OTEL_METRIC_EXPORT_INTERVAL", "500")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("the operator binary starts");
+    let _stack = OtlpStack { otel_dir, operator };
+
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let mut dsd: DSparkDeployment = serde_yaml::from_str(
+        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-two-pools.yaml")).unwrap(),
+    )
+    .unwrap();
+    dsd.spec.model.pvc = None;
+    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
+    dsd.spec.drafter = None;
+    dsd.spec.autoscaling.metrics_source = Default::default();
+    dsd.spec.autoscaling.prometheus_url = None;
+    // A total fixed from outside: the policy runs (and decides) on every reconcile.
+    dsd.spec.replicas = Some(3);
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    let key = format!("{ns}/qwen3-8b");
+    let text = wait_for("reconcile + autoscale spans and operator metrics", || {
+        let path = debug_log.clone();
+        let key = key.clone();
+        async move {
+            let t = std::fs::read_to_string(&path).ok()?;
+            (t.contains(&format!("deployment: Str({key})"))
+                && t.contains("Name           : autoscale decision")
+                && t.contains("Name: dspark.operator.reconciles")
+                && t.contains("Name: dspark.operator.pool.desired_replicas"))
+            .then_some(t)
+        }
+    })
+    .await;
+    // Span blocks: name, id, parent.
+    let spans: Vec<(String, String, String, String)> = text
+        .split("\nSpan #")
+        .skip(1)
+        .map(|b| {
+            let field = |f: &str| {
+                b.lines()
+                    .find_map(|l| l.trim_start().strip_prefix(f))
+                    .map(|v| v.trim_start_matches([' ', ':']).trim().to_string())
+                    .unwrap_or_default()
+            };
+            (
+                field("Name "),
+                field("ID "),
+                field("Parent ID "),
+                b.to_string(),
+            )
+        })
+        .collect();
+    let reconciles: Vec<&String> = spans
+        .iter()
+        .filter(|s| s.0 == "reconcile" && s.3.contains(&format!("deployment: Str({key})")))
+        .map(|s| &s.1)
+        .collect();
+    assert!(!reconciles.is_empty(), "no reconcile span for {key}");
+    let decision = spans
+        .iter()
+        .find(|s| s.0 == "autoscale decision")
+        .expect("an autoscale decision span");
+    assert!(
+        reconciles.contains(&&decision.2),
+        "autoscale decision is not a child of a reconcile span: {}",
+        decision.3
+    );
+    for attr in [
+        "pool: Str(",
+        "reason_code: Str(",
+        "from: Int(",
+        "to: Int(",
+        "slo_ttft_p95_s: Double(",
+    ] {
+        assert!(decision.3.contains(attr), "{attr} missing: {}", decision.3);
+    }
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.0 == "autoscale decision"
+                && s.3.contains("reason_code: Str(ExternalReplicas)")),
+        "no decision spread spec.replicas"
+    );
+    assert!(text.contains("service.name: Str(dspark-operator-it)"));
+    drop_namespace(&client, &ns).await;
+}

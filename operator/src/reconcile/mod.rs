@@ -112,7 +112,11 @@ fn object_key(dsd: &DSparkDeployment) -> String {
 }
 
 /// Reconciles one DSparkDeployment.
-#[instrument(skip_all, fields(deployment = %object_key(&dsd)))]
+#[instrument(
+    name = "reconcile",
+    skip_all,
+    fields(otel.name = "reconcile", deployment = %object_key(&dsd), error = tracing::field::Empty)
+)]
 pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<Action> {
     let t0 = Instant::now();
     Metrics::inc(&ctx.metrics.reconciles);
@@ -120,6 +124,7 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
     if dsd.meta().deletion_timestamp.is_some() {
         // Owner references let the garbage collector remove everything this owns.
         ctx.runtime.lock().expect("runtime lock").remove(&key);
+        ctx.metrics.forget_deployment(&key);
         return Ok(Action::await_change());
     }
     let mut rt = ctx
@@ -137,8 +142,13 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
         t0.elapsed().as_micros() as u64,
         std::sync::atomic::Ordering::Relaxed,
     );
-    if result.is_ok() {
-        ctx.failures.lock().expect("failures lock").remove(&key);
+    match &result {
+        Ok(_) => {
+            ctx.failures.lock().expect("failures lock").remove(&key);
+        }
+        Err(e) => {
+            tracing::Span::current().record("error", tracing::field::display(e));
+        }
     }
     result
 }
@@ -417,6 +427,26 @@ async fn reconcile_inner(
         if let Some(d) = decisions.as_ref().map(|d| &d[i]) {
             rt.breached.insert(p.name.clone(), d.breached);
             let applied = !advisory || matches!(d.reason, policy::Reason::Bounds { .. });
+            // One span per autoscaling evaluation of a pool: its inputs, verdict and reason
+            // (a child of the reconcile span; never entered across an await).
+            let obs = rt.observations.get(&p.name);
+            drop(tracing::info_span!(
+                "autoscale",
+                otel.name = "autoscale decision",
+                pool = %p.name,
+                from = d.from,
+                to = d.to,
+                applied,
+                reason = %d.reason,
+                reason_code = d.reason.code(),
+                breached = ?d.breached,
+                ttft_p95_s = obs.and_then(|o| o.ttft_p95),
+                itl_p95_s = obs.and_then(|o| o.itl_p95),
+                request_rate = obs.map(|o| o.request_rate),
+                acceptance_length = obs.and_then(|o| o.acceptance_length),
+                slo_ttft_p95_s = policy_input.slo.ttft_p95,
+                slo_itl_p95_s = policy_input.slo.itl_p95,
+            ));
             if applied {
                 desired = d.to;
             }
@@ -467,6 +497,19 @@ async fn reconcile_inner(
             }
         }
         v.desired = desired;
+        let obs = rt.observations.get(&p.name);
+        ctx.metrics.set_pool(
+            &object_key(dsd),
+            &p.name,
+            crate::telemetry::PoolGauges {
+                desired,
+                ready: v.ready,
+                ttft_p95: obs.and_then(|o| o.ttft_p95),
+                itl_p95: obs.and_then(|o| o.itl_p95),
+                acceptance_length: obs.and_then(|o| o.acceptance_length),
+                request_rate: obs.map_or(0.0, |o| o.request_rate),
+            },
+        );
     }
 
     // Owned objects.
