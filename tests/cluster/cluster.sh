@@ -564,7 +564,7 @@ cmd_kubelet_up() {
     return 0
   fi
   local tgt bin; tgt="$(cargo_target)"; bin="$tgt/release/$KUBELET"
-  if [ ! -x "$bin" ] || [ -n "$(find "$HERE/../kubelet" -newer "$bin" -name '*.rs' -o -newer "$bin" -name Cargo.toml | head -n1)" ]; then
+  if [ ! -x "$bin" ] || [ -n "$(find "$HERE/../kubelet/src" "$HERE/../kubelet/Cargo.toml" -newer "$bin" \( -name '*.rs' -o -name Cargo.toml \) | head -n1)" ]; then
     log "  building $KUBELET"
     (cd "$HERE/../.." && CARGO_TARGET_DIR="$tgt" nice -n 10 cargo build --release -q -p "$KUBELET") ||
       die "building $KUBELET failed"

@@ -34,6 +34,7 @@ WORK="$(mktemp -d /tmp/dspark-e2e.XXXXXX)"
 T0=$(date +%s.%N)
 TIMELINE="$WORK/timeline"
 LOAD_PID=""
+PREEXISTING=0
 : >"$TIMELINE"
 
 since() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%6.1f", b - a }'; }
@@ -79,6 +80,11 @@ finish() {
   cat "$TIMELINE"
   if [ "${DSPARK_E2E_KEEP:-0}" = 1 ]; then
     echo "(DSPARK_E2E_KEEP=1: cluster left running; eval \"\$($CL env)\"; $CL down to stop)"
+  elif [ "$PREEXISTING" = 1 ]; then
+    # Someone else's cluster (another test may be using it): leave it as found.
+    kubectl delete namespace "$NS" "$OPNS" --wait=true --timeout=60s >/dev/null 2>&1 || true
+    "$CL" kubelet-down >/dev/null 2>&1 || true
+    echo "(the cluster was already up before the e2e: left running, test kubelet stopped)"
   else
     "$CL" down >/dev/null 2>&1 || true
   fi
@@ -91,7 +97,9 @@ trap finish EXIT
 [ -x "$DSPARK_OPERATOR_BIN" ] || die "no operator binary at $DSPARK_OPERATOR_BIN (make build)"
 [ -f "$MODEL" ] || die "no model at $MODEL (scripts/fetch-models.sh)"
 
-mark "start: cluster up"
+PREEXISTING=0
+"$CL" status >/dev/null 2>&1 && PREEXISTING=1
+mark "start: cluster up$( [ "$PREEXISTING" = 1 ] && echo " (already running: it is left up afterwards)")"
 "$CL" up
 eval "$("$CL" env)"
 # The smoke test expects nobody to run pods (a kubelet left by DSPARK_E2E_KEEP=1 would).
