@@ -888,6 +888,19 @@ impl Engine {
         span.record("gen_ai.response.finish_reasons", reason.as_str());
         span.record("dspark.draft_tokens", s.draft_tokens as u64);
         span.record("dspark.accepted_draft_tokens", s.accepted_tokens as u64);
+        // With tracing on, one log line per request that carries its trace id.
+        if let Some(trace_id) = dspark_telemetry::trace_id(span) {
+            tracing::info!(
+                trace_id,
+                operation = s.req.operation,
+                prompt_tokens = s.prompt_len,
+                completion_tokens = s.generated(),
+                accepted_draft_tokens = s.accepted_tokens,
+                finish_reason = reason.as_str(),
+                e2e_s = e2e,
+                "request finished"
+            );
+        }
         s.phase = tracing::Span::none();
         self.metrics
             .request_success

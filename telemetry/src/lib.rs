@@ -169,6 +169,18 @@ pub fn set_parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) 
     let _ = span.set_parent(cx);
 }
 
+/// The OpenTelemetry trace id of `span` (hex), when it is exported.
+pub fn trace_id(span: &tracing::Span) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if span.is_disabled() {
+        return None;
+    }
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid().then(|| sc.trace_id().to_string())
+}
+
 /// The global meter (a no-op until [`init`] installs OTLP export).
 pub fn meter(name: &'static str) -> opentelemetry::metrics::Meter {
     opentelemetry::global::meter(name)

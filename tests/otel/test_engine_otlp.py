@@ -134,6 +134,9 @@ def test_json_logs(otel_engine):
     _, _, log_path = otel_engine
     lines = [l for l in Path(log_path).read_text().splitlines() if l.startswith("{")]
     assert lines, "no JSON log lines"
-    for l in lines:
-        rec = json.loads(l)
+    recs = [json.loads(l) for l in lines]
+    for rec in recs:
         assert "level" in rec and "fields" in rec
+    # The traced request's log line carries the caller's trace id.
+    done = [r for r in recs if r["fields"].get("message") == "request finished"]
+    assert any(r["fields"].get("trace_id") == TRACE_ID for r in done), done
