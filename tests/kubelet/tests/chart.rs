@@ -564,3 +564,27 @@ spec:
     let _ = std::fs::remove_file(std::env::temp_dir().join(format!("{ns}-dsd.yaml")));
     eprintln!("chart test took {:.1}s", t0.elapsed().as_secs_f64());
 }
+
+#[test]
+fn chart_dashboards_are_the_repository_dashboards() {
+    let json = |dir: &Path| -> BTreeSet<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".json"))
+            .collect()
+    };
+    let (ours, theirs) = (chart().join("dashboards"), repo("config/grafana"));
+    assert_eq!(
+        json(&ours),
+        json(&theirs),
+        "charts/dspark-operator/dashboards/ must hold exactly the dashboards of config/grafana/"
+    );
+    for n in json(&theirs) {
+        assert!(
+            std::fs::read(ours.join(&n)).unwrap() == std::fs::read(theirs.join(&n)).unwrap(),
+            "charts/dspark-operator/dashboards/{n} differs from config/grafana/{n}; copy it: \
+             cp config/grafana/*.json charts/dspark-operator/dashboards/"
+        );
+    }
+}
