@@ -39,7 +39,7 @@ unit:
 python-test:
 	python3 -m pytest -q tests/python tests/otel
 
-test: setup build lint unit python-test
+test: setup build lint unit python-test e2e
 
 cluster-up:
 	tests/cluster/cluster.sh up
