@@ -50,7 +50,9 @@ def _wait_for(path, needle, timeout=10):
 def test_env_names_loopback_endpoints(collector):
     for k in ("DSPARK_OTEL_GRPC_ENDPOINT", "DSPARK_OTEL_HTTP_ENDPOINT"):
         assert collector[k].startswith("127.0.0.1:"), collector
-    assert collector["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://" + collector["DSPARK_OTEL_GRPC_ENDPOINT"]
+    # dspark binaries speak OTLP/HTTP (protobuf)
+    assert collector["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://" + collector["DSPARK_OTEL_HTTP_ENDPOINT"]
+    assert collector["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
     assert Path(collector["DSPARK_OTELCOL_BIN"]).is_file()
 
 
