@@ -19,18 +19,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def engine_url():
+def start_engine(extra_args=(), log_name="dspark-python-engine.log"):
+    """A `dspark-engine serve` process on a free loopback port, ready: (proc, url, log path)."""
     binary = Path(os.environ.get("DSPARK_ENGINE_BIN", ROOT / "target" / "release" / "dspark-engine"))
     model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert binary.exists(), f"{binary} missing: run `cargo build --release` (make test does)"
     assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
     port = _free_port()
-    log_path = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / "dspark-python-engine.log"
+    log_path = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / log_name
     log = open(log_path, "w")
     proc = subprocess.Popen(
         [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--served-model-name", "smollm2", "--kv-cache-mb", "128", "--max-model-len", "2048"],
+         "--served-model-name", "smollm2", "--kv-cache-mb", "128", "--max-model-len", "2048",
+         *extra_args],
         stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -41,12 +42,16 @@ def engine_url():
         try:
             with urllib.request.urlopen(url + "/ready", timeout=1) as r:
                 if r.status == 200:
-                    break
+                    return proc, url, log_path
         except OSError:
             time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("engine did not become ready in 120 s")
+    proc.kill()
+    raise RuntimeError("engine did not become ready in 120 s")
+
+
+@pytest.fixture(scope="session")
+def engine_url():
+    proc, url, _ = start_engine()
     yield url
     proc.terminate()
     try:
