@@ -69,6 +69,15 @@ fn admin(e: &Engine, method: &str, path: &str, token: Option<&str>, body: &str) 
     (r.status().as_u16(), r.json().unwrap_or(Value::Null))
 }
 
+fn metrics_text(e: &Engine) -> String {
+    client()
+        .get(format!("{}/metrics", e.api.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap()
+}
+
 fn get_json(url: String) -> Value {
     client().get(url).send().unwrap().json().unwrap()
 }
@@ -158,12 +167,7 @@ fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
             0
         );
     }
-    let m = client()
-        .get(format!("{}/metrics", e.api.base))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let m = metrics_text(&e);
     assert_eq!(metric(&m, "dspark_cost_table_refusals_total"), 6.0);
 
     // A flat table: verifying is free, the scheduler sends whole blocks; still lossless.
@@ -201,12 +205,7 @@ fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
     let (text, usage) = complete(&e);
     assert_eq!(text, expected);
     assert_eq!(usage["draft_tokens"], 0, "linear cost but drafted: {usage}");
-    let m = client()
-        .get(format!("{}/metrics", e.api.base))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let m = metrics_text(&e);
     assert_eq!(metric(&m, "dspark_cost_table_revision"), 2.0);
     assert!(metric(&m, "dspark_scheduler_expected_tokens_total") > 0.0);
     assert!(

@@ -31,6 +31,17 @@ def status(url):
         return None
 
 
+def wait_running(url, timeout=30):
+    """Returns once the engine reports a running request."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with urllib.request.urlopen(url + "/ready", timeout=5) as r:
+            if json.loads(r.read())["requests_running"] >= 1:
+                return
+        time.sleep(0.05)
+    raise AssertionError("no request started running")
+
+
 def completion(n):
     return {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": n,
             "temperature": 0, "ignore_eos": True}
@@ -44,12 +55,7 @@ def test_sigterm_lets_inflight_requests_finish_then_exits_zero():
             r=post(url + "/v1/completions", completion(64))))
         t.start()
         # Wait until the request is running, then ask the engine to stop.
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            with urllib.request.urlopen(url + "/ready", timeout=5) as r:
-                if json.loads(r.read())["requests_running"] >= 1:
-                    break
-            time.sleep(0.05)
+        wait_running(url)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         assert status(url + "/ready") == 503
@@ -79,12 +85,7 @@ def test_drain_deadline_bounds_shutdown():
 
         t = threading.Thread(target=cut_off, daemon=True)
         t.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            with urllib.request.urlopen(url + "/ready", timeout=5) as r:
-                if json.loads(r.read())["requests_running"] >= 1:
-                    break
-            time.sleep(0.05)
+        wait_running(url)
         t0 = time.time()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
