@@ -42,11 +42,10 @@ METRICS_PORT="${DSPARK_OTEL_METRICS_PORT:-${SAVED_PORTS[2]:-8888}}"
 LOG_FILE="$STATE_DIR/otelcol.log"
 DEBUG_LOG="$STATE_DIR/debug-exporter.log"
 PID_FILE="$STATE_DIR/otelcol.pid"
+NAME=otelcol
+# shellcheck source=proc.sh
+. "$HERE/proc.sh"
 
-log() { printf '[otelcol] %s\n' "$*" >&2; }
-die() { printf '[otelcol] ERROR: %s\n' "$*" >&2; exit 1; }
-now() { date +%s.%N; }
-elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 COL_VERSION="$(awk '$1 == "go.opentelemetry.io/collector/otelcol" { print $2; exit }' "$HERE/collector/go.mod")"
 
@@ -98,20 +97,6 @@ cmd_build() {
 }
 
 # --- process helpers ----------------------------------------------------------------------
-
-running() { # running <pid>: exists and is not a zombie
-  local st
-  st="$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null)" || return 1
-  [ -n "$st" ] && [ "$st" != Z ]
-}
-
-alive() { # the pid file names a live otelcol process
-  [ -f "$PID_FILE" ] || return 1
-  local pid exe; pid="$(cat "$PID_FILE")"
-  [ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
-  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
-  [ "$(basename "${exe% (deleted)}")" = otelcol ] && running "$pid"
-}
 
 port_busy() { ss -Htln "sport = :$1" | grep -q .; }
 
@@ -165,20 +150,6 @@ cmd_up() {
   die "otelcol not ready after 30s (log: $LOG_FILE)"
 }
 
-cmd_down() {
-  if alive; then
-    local pid i; pid="$(cat "$PID_FILE")"
-    log "stopping (pid $pid)"
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 1 100); do running "$pid" || break; sleep 0.1; done
-    if running "$pid"; then
-      log "did not exit in 10s; killing"
-      kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
-    fi
-  fi
-  rm -f "$PID_FILE"
-  if [ "${DSPARK_KEEP_STATE:-0}" != 1 ]; then rm -rf "$STATE_DIR"; fi
-}
 
 cmd_env() {
   cat <<EOF

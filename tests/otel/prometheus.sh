@@ -31,12 +31,11 @@ RULES="${DSPARK_PROM_RULES:-$ROOT/config/prometheus/alerts.yaml}"
 INTERVAL="${DSPARK_PROM_INTERVAL:-1s}"
 LOG_FILE="$STATE_DIR/prometheus.log"
 PID_FILE="$STATE_DIR/prometheus.pid"
+NAME=prometheus
+# shellcheck source=proc.sh
+. "$HERE/proc.sh"
 CONFIG="$STATE_DIR/prometheus.yml"
 
-log() { printf '[prometheus] %s\n' "$*" >&2; }
-die() { printf '[prometheus] ERROR: %s\n' "$*" >&2; exit 1; }
-now() { date +%s.%N; }
-elapsed() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 
 gen_config() { # gen_config TARGET...: the scrape config on stdout
   [ "$#" -gt 0 ] || die "no targets (JOB=HOST:PORT[,LABEL=VALUE...]); see the header of $0"
@@ -82,20 +81,6 @@ EOF
       fi
     done
   done
-}
-
-running() {
-  local st
-  st="$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null)" || return 1
-  [ -n "$st" ] && [ "$st" != Z ]
-}
-
-alive() {
-  [ -f "$PID_FILE" ] || return 1
-  local pid exe; pid="$(cat "$PID_FILE")"
-  [ -n "$pid" ] && [ -d "/proc/$pid" ] || return 1
-  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
-  [ "$(basename "${exe% (deleted)}")" = prometheus ] && running "$pid"
 }
 
 ready() { curl -sf --max-time 1 "http://127.0.0.1:$PORT/-/ready" >/dev/null; }
@@ -144,20 +129,6 @@ cmd_up() {
   die "prometheus not ready after 30s (log: $LOG_FILE)"
 }
 
-cmd_down() {
-  if alive; then
-    local pid i; pid="$(cat "$PID_FILE")"
-    log "stopping (pid $pid)"
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-    for i in $(seq 1 150); do running "$pid" || break; sleep 0.1; done
-    if running "$pid"; then
-      log "did not exit in 15s; killing"
-      kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
-    fi
-  fi
-  rm -f "$PID_FILE"
-  if [ "${DSPARK_KEEP_STATE:-0}" != 1 ]; then rm -rf "$STATE_DIR"; fi
-}
 
 cmd_env() {
   cat <<EOF
@@ -170,7 +141,7 @@ EOF
 
 case "${1:-}" in
   up) shift; cmd_up "$@" ;;
-  down) cmd_down ;;
+  down) cmd_down 150 ;;
   env) cmd_env ;;
   config) shift; gen_config "$@" ;;
   logs)
