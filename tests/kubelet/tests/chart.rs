@@ -46,28 +46,45 @@ fn run(cmd: &mut Command) -> Result<String, String> {
     Ok(stdout)
 }
 
-#[test]
-fn chart_crds_are_the_repository_crds() {
+/// `ours` holds exactly the `ext` files of `theirs`, byte for byte (`cp` is the fix).
+fn assert_copies(ours: &Path, theirs: &Path, ext: &str) {
     let names = |dir: &Path| -> BTreeSet<String> {
         std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.ends_with(".yaml"))
+            .filter(|n| n.ends_with(ext))
             .collect()
     };
-    let (ours, theirs) = (chart().join("crds"), repo("crds"));
+    let fix = format!("cp {}/*{ext} {}/", theirs.display(), ours.display());
     assert_eq!(
-        names(&ours),
-        names(&theirs),
-        "charts/dspark-operator/crds/ must hold exactly the files of crds/"
+        names(ours),
+        names(theirs),
+        "{} must hold exactly the {ext} files of {}; {fix}",
+        ours.display(),
+        theirs.display()
     );
-    for n in names(&theirs) {
+    for n in names(theirs) {
         assert!(
             std::fs::read(ours.join(&n)).unwrap() == std::fs::read(theirs.join(&n)).unwrap(),
-            "charts/dspark-operator/crds/{n} differs from crds/{n}; copy it: \
-             cp crds/*.yaml charts/dspark-operator/crds/"
+            "{n} differs between {} and {}; {fix}",
+            ours.display(),
+            theirs.display()
         );
     }
+}
+
+#[test]
+fn chart_crds_are_the_repository_crds() {
+    assert_copies(&chart().join("crds"), &repo("crds"), ".yaml");
+}
+
+#[test]
+fn chart_dashboards_are_the_repository_dashboards() {
+    assert_copies(
+        &chart().join("dashboards"),
+        &repo("config/grafana"),
+        ".json",
+    );
 }
 
 /// (apiGroup, resource, verb) triples of the rules of every `kind` document in `docs`.
@@ -563,28 +580,4 @@ spec:
     );
     let _ = std::fs::remove_file(std::env::temp_dir().join(format!("{ns}-dsd.yaml")));
     eprintln!("chart test took {:.1}s", t0.elapsed().as_secs_f64());
-}
-
-#[test]
-fn chart_dashboards_are_the_repository_dashboards() {
-    let json = |dir: &Path| -> BTreeSet<String> {
-        std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.ends_with(".json"))
-            .collect()
-    };
-    let (ours, theirs) = (chart().join("dashboards"), repo("config/grafana"));
-    assert_eq!(
-        json(&ours),
-        json(&theirs),
-        "charts/dspark-operator/dashboards/ must hold exactly the dashboards of config/grafana/"
-    );
-    for n in json(&theirs) {
-        assert!(
-            std::fs::read(ours.join(&n)).unwrap() == std::fs::read(theirs.join(&n)).unwrap(),
-            "charts/dspark-operator/dashboards/{n} differs from config/grafana/{n}; copy it: \
-             cp config/grafana/*.json charts/dspark-operator/dashboards/"
-        );
-    }
 }
