@@ -8,6 +8,7 @@
 //! `Linear` derefs to the wrapped `QMatMul`, so code that wants candle's type (e.g. to slice
 //! rows of the LM head) still can.
 
+use super::config::Activation;
 use crate::kernels::{matmul_many, QMatrix, QType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{
@@ -96,26 +97,89 @@ impl Linear {
 /// `[l.forward(x) for l in ls]` for matrices sharing their input (q/k/v, gate/up): on the
 /// kernel path the input is quantised once and all of them run in one parallel region.
 pub fn forward_many(ls: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+    let Some((outs, dims)) = kernel_many(ls, x)? else {
+        return ls.iter().map(|l| l.forward(x)).collect();
+    };
+    outs.into_iter()
+        .zip(ls)
+        .map(|(v, l)| {
+            let mut shape = dims.clone();
+            *shape.last_mut().expect("rank >= 1") = l.kernel.as_ref().map_or(0, |o| o.n);
+            Tensor::from_vec(v, shape, &Device::Cpu)
+        })
+        .collect()
+}
+
+/// The gated MLP input `act(gate(x)) * up(x)`. On the kernel path both matmuls share one
+/// parallel region and the activation is applied in place (no candle elementwise ops, whose
+/// spinning pool competes with ours); the formulas are candle's, so results are the same.
+pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> Result<Tensor> {
+    let Some((mut outs, dims)) = kernel_many(&[gate, up], x)? else {
+        let g = gate.forward(x)?;
+        let g = match act {
+            Activation::Silu => g.silu()?,
+            Activation::GeluTanh => g.gelu()?,
+        };
+        return g * up.forward(x)?;
+    };
+    let u = outs.pop().expect("two outputs");
+    let mut g = outs.pop().expect("two outputs");
+    if g.len() != u.len() {
+        candle_core::bail!("gate and up have different widths");
+    }
+    let f = |g: &mut [f32], u: &[f32]| match act {
+        Activation::Silu => {
+            for (g, &u) in g.iter_mut().zip(u) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+        }
+        Activation::GeluTanh => {
+            const S: f32 = 0.797_884_6; // sqrt(2 / pi), as candle
+            for (g, &u) in g.iter_mut().zip(u) {
+                let v = *g;
+                *g = 0.5 * v * (1.0 + (S * v * (1.0 + 0.044715 * v * v)).tanh()) * u;
+            }
+        }
+    };
+    const PAR: usize = 1 << 16;
+    if g.len() >= 2 * PAR {
+        use rayon::prelude::*;
+        g.par_chunks_mut(PAR / 2)
+            .zip(u.par_chunks(PAR / 2))
+            .for_each(|(g, u)| f(g, u));
+    } else {
+        f(&mut g, &u);
+    }
+    let mut shape = dims;
+    *shape.last_mut().expect("rank >= 1") = gate.kernel.as_ref().map_or(0, |o| o.n);
+    Tensor::from_vec(g, shape, &Device::Cpu)
+}
+
+/// The kernel path of [`forward_many`]: the outputs as vectors and the input's dims, or None
+/// when some matrix or the input cannot use it.
+#[allow(clippy::type_complexity)]
+fn kernel_many(ls: &[&Linear], x: &Tensor) -> Result<Option<(Vec<Vec<f32>>, Vec<usize>)>> {
     let ops: Option<Vec<&KernelOp>> = ls.iter().map(|l| l.kernel.as_ref()).collect();
     let ops = match ops {
         Some(ops)
-            if x.dtype() == DType::F32
+            if !ops.is_empty()
+                && x.dtype() == DType::F32
                 && x.device().is_cpu()
                 && ops.iter().all(|o| o.k == ops[0].k)
                 && x.dims().last() == Some(&ops[0].k) =>
         {
             ops
         }
-        _ => return ls.iter().map(|l| l.forward(x)).collect(),
+        _ => return Ok(None),
     };
     let x = x.contiguous()?;
     let k = ops[0].k;
     let (storage, layout) = x.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
-        candle_core::bail!("forward_many: input is not on the CPU")
+        return Ok(None);
     };
     let Some((o0, o1)) = layout.contiguous_offsets() else {
-        candle_core::bail!("forward_many: input is not contiguous")
+        return Ok(None);
     };
     let xs = &cpu.as_slice::<f32>()?[o0..o1];
     let m = xs.len() / k;
@@ -131,15 +195,7 @@ pub fn forward_many(ls: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
         matmul_many(&ws, xs, m, &mut refs);
     }
     drop(storage);
-    let dims = x.dims();
-    outs.into_iter()
-        .zip(&ops)
-        .map(|(v, o)| {
-            let mut shape = dims.to_vec();
-            *shape.last_mut().expect("rank >= 1") = o.n;
-            Tensor::from_vec(v, shape, &Device::Cpu)
-        })
-        .collect()
+    Ok(Some((outs, x.dims().to_vec())))
 }
 
 impl std::ops::Deref for Linear {

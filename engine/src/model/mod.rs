@@ -255,12 +255,8 @@ impl Model {
             }
             x = (x + o)?;
             let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
-            let gu = linear::forward_many(&[&w.gate, &w.up], &h)?;
-            let g = match cfg.activation {
-                Activation::Silu => candle_nn::ops::silu(&gu[0])?,
-                Activation::GeluTanh => gu[0].gelu()?,
-            };
-            let mut m = w.down.forward(&(g * &gu[1])?)?;
+            let g = linear::forward_glu(&w.gate, &w.up, &h, cfg.activation)?;
+            let mut m = w.down.forward(&g)?;
             if let Some(n) = &w.post_ffn_norm {
                 m = candle_nn::ops::rms_norm(&m, n, eps)?;
             }
