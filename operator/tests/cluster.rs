@@ -4,12 +4,13 @@
 //!
 //! Each test works in a namespace of its own and deletes it at the end.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Secret, Service};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -17,7 +18,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, ResourceExt};
 
-use dspark_operator::crd::{CostTablePhase, DSparkCostTable, DSparkDeployment};
+use dspark_operator::crd::{AutoscalingMode, CostTablePhase, DSparkCostTable, DSparkDeployment};
 use dspark_operator::reconcile::pool::{LABEL_MANAGED_BY, MANAGER};
 use dspark_operator::reconcile::{error_policy, reconcile, Context};
 
@@ -189,6 +190,24 @@ async fn crds_accept_the_samples_and_refuse_the_invalid_ones_with_their_message(
     drop_namespace(&client, &ns).await;
 }
 
+/// A sample DSparkDeployment from config/samples.
+fn sample(file: &str) -> DSparkDeployment {
+    serde_yaml::from_str(&std::fs::read_to_string(repo("config/samples").join(file)).unwrap())
+        .unwrap()
+}
+
+/// The two-pool sample (Advisory mode), made to run here: a model URI instead of a PVC, no
+/// drafter, metrics scraped from the pods instead of Prometheus.
+fn two_pools() -> DSparkDeployment {
+    let mut dsd = sample("dsparkdeployment-two-pools.yaml");
+    dsd.spec.model.pvc = None;
+    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
+    dsd.spec.drafter = None;
+    dsd.spec.autoscaling.metrics_source = Default::default();
+    dsd.spec.autoscaling.prometheus_url = None;
+    dsd
+}
+
 fn table_json(node_type: &str) -> String {
     format!(
         r#"{{"schema":1,"model_id":"smollm2","engine_version":"0.1.0","device":"NVIDIA A100","node_type":"{node_type}","dtype":"q4_1","measured_at":"2026-11-29T09:00:00Z","points":[[1,138.0],[2,74.0],[4,56.0],[8,37.5],[16,23.0]]}}"#
@@ -270,15 +289,7 @@ async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
     let ns = namespace(&client, "dspark-it-scale").await;
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
-    let mut dsd: DSparkDeployment = serde_yaml::from_str(
-        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-two-pools.yaml")).unwrap(),
-    )
-    .unwrap();
-    dsd.spec.model.pvc = None;
-    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
-    dsd.spec.drafter = None;
-    dsd.spec.autoscaling.metrics_source = Default::default();
-    dsd.spec.autoscaling.prometheus_url = None;
+    let dsd = two_pools();
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
     // The /scale subresource sets the total; the policy spreads it over the pools.
@@ -378,9 +389,7 @@ async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
 
-    let text =
-        std::fs::read_to_string(repo("config/samples/dsparkdeployment-smollm2.yaml")).unwrap();
-    let dsd: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+    let dsd = sample("dsparkdeployment-smollm2.yaml");
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -637,6 +646,23 @@ async fn make_ready(client: &Client, ns: &str, pod: &str, ip: &str) {
         .unwrap();
 }
 
+/// The first engine pod of `pool` that `f` accepts.
+async fn engine_pod(pods: &Api<Pod>, pool: &str, f: impl Fn(&Pod) -> bool) -> Pod {
+    let labels = format!("serving.dspark.dev/pool={pool}");
+    wait_for(&format!("an engine pod of pool {pool}"), || {
+        let (pods, labels, f) = (pods.clone(), labels.clone(), &f);
+        async move {
+            pods.list(&ListParams::default().labels(&labels))
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|p| f(p))
+        }
+    })
+    .await
+}
+
 #[tokio::test]
 async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
     let Some(client) = cluster("ready_pods_get_the_table_pushed").await else {
@@ -648,10 +674,7 @@ async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
     let engine = fake_engine(ip).await;
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
-    let mut dsd: DSparkDeployment = serde_yaml::from_str(
-        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-smollm2.yaml")).unwrap(),
-    )
-    .unwrap();
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
     dsd.spec.slo.window_seconds = 4;
     dsd.spec.autoscaling.period_seconds = 1;
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
@@ -672,23 +695,13 @@ async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
     .await;
     finish_profiling_pod(&client, &ns, &job, &table_json("a100-80gb")).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
-    let pod = wait_for("an engine pod with --cost-table", || {
-        let pods = pods.clone();
-        async move {
-            pods.list(&ListParams::default().labels("serving.dspark.dev/pool=a100"))
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find(|p| {
-                    p.spec.as_ref().is_some_and(|s| {
-                        s.containers[0]
-                            .args
-                            .as_ref()
-                            .is_some_and(|a| a.contains(&"--cost-table".to_string()))
-                    })
-                })
-        }
+    let pod = engine_pod(&pods, "a100", |p| {
+        p.spec.as_ref().is_some_and(|s| {
+            s.containers[0]
+                .args
+                .as_ref()
+                .is_some_and(|a| a.contains(&"--cost-table".to_string()))
+        })
     })
     .await;
     make_ready(&client, &ns, &pod.name_any(), ip).await;
@@ -747,16 +760,69 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// Stops the collector and the operator process when the test ends, pass or fail.
+/// One `dspark-operator` process (the real binary) watching namespace `ns`, its /metrics on a
+/// free loopback port and its log in the temp directory; killed (SIGKILL) when dropped.
+struct Operator {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Operator {
+    fn spawn(ns: &str, args: &[&str], env: &[(&str, String)]) -> Self {
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!("dspark-it-operator-{ns}-{port}.log"));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-operator"))
+            .args(["--namespace", ns, "--http", &format!("127.0.0.1:{port}")])
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("the operator's log file"))
+            .spawn()
+            .expect("the operator binary starts");
+        Self { child, port }
+    }
+
+    /// SIGKILL: no graceful shutdown, the Lease is not released.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The value of an unlabelled series on the process's /metrics (`None`: no answer).
+    async fn metric(&self, name: &str) -> Option<f64> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let io = async {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .ok()?;
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: operator\r\nConnection: close\r\n\r\n")
+                .await
+                .ok()?;
+            let mut text = String::new();
+            s.read_to_string(&mut text).await.ok()?;
+            Some(text)
+        };
+        let text = tokio::time::timeout(Duration::from_secs(2), io)
+            .await
+            .ok()??;
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Stops the collector when the test ends, pass or fail.
 struct OtlpStack {
     otel_dir: std::path::PathBuf,
-    operator: std::process::Child,
 }
 
 impl Drop for OtlpStack {
     fn drop(&mut self) {
-        let _ = self.operator.kill();
-        let _ = self.operator.wait();
         let _ = std::process::Command::new(repo("tests/otel/otelcol.sh"))
             .arg("down")
             .env("DSPARK_OTEL_DIR", &self.otel_dir)
@@ -790,35 +856,22 @@ async fn operator_exports_reconcile_and_autoscale_spans_over_otlp() {
         .expect("tests/otel/otelcol.sh runs");
     assert!(up.success(), "the collector did not start");
     let debug_log = otel_dir.join("debug-exporter.log");
-    let operator = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-operator"))
-        .args([
-            "--namespace",
-            &ns,
-            "--http",
-            &format!("127.0.0.1:{}", free_port()),
-            "--no-leader-election",
-        ])
-        .env(
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            format!("http://127.0.0.1:{http_port}"),
-        )
-        .env("OTEL_SERVICE_NAME", "dspark-operator-it")
-        .env("OTEL_METRIC_EXPORT_INTERVAL", "500")
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("the operator binary starts");
-    let _stack = OtlpStack { otel_dir, operator };
+    let _stack = OtlpStack { otel_dir };
+    let _operator = Operator::spawn(
+        &ns,
+        &["--no-leader-election"],
+        &[
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+                format!("http://127.0.0.1:{http_port}"),
+            ),
+            ("OTEL_SERVICE_NAME", "dspark-operator-it".into()),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "500".into()),
+        ],
+    );
 
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
-    let mut dsd: DSparkDeployment = serde_yaml::from_str(
-        &std::fs::read_to_string(repo("config/samples/dsparkdeployment-two-pools.yaml")).unwrap(),
-    )
-    .unwrap();
-    dsd.spec.model.pvc = None;
-    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
-    dsd.spec.drafter = None;
-    dsd.spec.autoscaling.metrics_source = Default::default();
-    dsd.spec.autoscaling.prometheus_url = None;
+    let mut dsd = two_pools();
     // A total fixed from outside: the policy runs (and decides) on every reconcile.
     dsd.spec.replicas = Some(3);
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
@@ -888,5 +941,374 @@ async fn operator_exports_reconcile_and_autoscale_spans_over_otlp() {
         "no decision spread spec.replicas"
     );
     assert!(text.contains("service.name: Str(dspark-operator-it)"));
+    drop_namespace(&client, &ns).await;
+}
+
+/// Who leads now: the Lease's holder, and each replica's `dspark_operator_leader` gauge.
+async fn leadership(
+    leases: &Api<Lease>,
+    lease: &str,
+    replicas: &[Operator],
+) -> (Option<String>, Vec<Option<f64>>) {
+    let holder = leases
+        .get_opt(lease)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|l| l.spec?.holder_identity);
+    let mut gauges = Vec::new();
+    for r in replicas {
+        gauges.push(r.metric("dspark_operator_leader").await);
+    }
+    (holder, gauges)
+}
+
+/// The one leader among `replicas` (named by `ids`), when the Lease and every gauge agree.
+fn sole_leader(
+    ids: &[&str],
+    (holder, gauges): &(Option<String>, Vec<Option<f64>>),
+) -> Option<usize> {
+    let leaders: Vec<usize> = (0..ids.len()).filter(|&i| gauges[i] == Some(1.0)).collect();
+    let followers = gauges.iter().filter(|g| **g == Some(0.0)).count();
+    match leaders[..] {
+        [i] if followers == ids.len() - 1 && holder.as_deref() == Some(ids[i]) => Some(i),
+        _ => None,
+    }
+}
+
+/// Two operator binaries on one Lease: at every sample exactly one is leader (by the Lease
+/// and by its own gauge), only that one reconciles; SIGKILL it and the other takes over within
+/// two lease durations and rolls a spec change through.
+#[tokio::test]
+async fn two_operator_replicas_never_both_act_and_the_follower_takes_over() {
+    let Some(client) = cluster("leader_election").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-leader").await;
+    let lease = format!("{ns}-leader");
+    let ids = ["a", "b"];
+    let lease_seconds = 6;
+    let mut replicas: Vec<Operator> = ids
+        .iter()
+        .map(|id| {
+            Operator::spawn(
+                &ns,
+                &[
+                    "--lease-namespace",
+                    &ns,
+                    "--lease-name",
+                    &lease,
+                    "--lease-seconds",
+                    &lease_seconds.to_string(),
+                    "--identity",
+                    id,
+                ],
+                &[],
+            )
+        })
+        .collect();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns);
+    let leader = wait_for("one leader", || {
+        let (leases, lease, replicas) = (&leases, &lease, &replicas);
+        async move { sole_leader(&ids, &leadership(leases, lease, replicas).await) }
+    })
+    .await;
+    let follower = 1 - leader;
+
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    dsds.create(
+        &PostParams::default(),
+        &sample("dsparkdeployment-smollm2.yaml"),
+    )
+    .await
+    .unwrap();
+    for _ in 0..20 {
+        let seen = leadership(&leases, &lease, &replicas).await;
+        assert_eq!(
+            sole_leader(&ids, &seen),
+            Some(leader),
+            "not one leader: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    wait_for("the engine Deployment", || {
+        let d = deployments.clone();
+        async move { d.get_opt("smollm2-a100").await.ok().flatten() }
+    })
+    .await;
+    const RECONCILES: &str = "dspark_operator_reconciles_total";
+    assert!(replicas[leader].metric(RECONCILES).await.unwrap() >= 1.0);
+    assert_eq!(
+        replicas[follower].metric(RECONCILES).await,
+        Some(0.0),
+        "the follower reconciled"
+    );
+
+    // The leader dies without releasing the Lease: the follower takes over once it expires.
+    replicas[leader].kill();
+    let killed = Instant::now();
+    wait_for("the follower to take over", || {
+        let (leases, lease, r) = (&leases, &lease, &replicas[follower]);
+        async move {
+            let (holder, gauges) = leadership(leases, lease, std::slice::from_ref(r)).await;
+            (holder.as_deref() == Some(ids[follower]) && gauges[0] == Some(1.0)).then_some(())
+        }
+    })
+    .await;
+    let took = killed.elapsed();
+    assert!(
+        took <= Duration::from_secs(2 * lease_seconds + 1),
+        "takeover took {took:?}"
+    );
+    let transitions = leases
+        .get(&lease)
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .lease_transitions;
+    assert!(transitions >= Some(1), "leaseTransitions {transitions:?}");
+
+    // The new leader reconciles: a spec change rolls through.
+    let patch = serde_json::json!({ "spec": { "engine": { "image": "dspark/engine:0.1.1" } } });
+    dsds.patch("smollm2", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    wait_for("the new image in the engine Deployment", || {
+        let d = deployments.clone();
+        async move {
+            let dep = d.get("smollm2-a100").await.ok()?;
+            let image = dep.spec.template.spec?.containers[0].image.clone()?;
+            (image == "dspark/engine:0.1.1").then_some(())
+        }
+    })
+    .await;
+    assert!(replicas[follower].metric(RECONCILES).await.unwrap() >= 1.0);
+    eprintln!("leader election: takeover after {took:?}");
+    drop(replicas);
+    drop_namespace(&client, &ns).await;
+}
+
+/// Names of the objects of kind `K` in `ns` managed by the operator, each checked to be owned
+/// by the DSparkDeployment with `uid`.
+async fn managed<K>(client: &Client, ns: &str, owner_uid: &str) -> Vec<String>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let list = Api::<K>::namespaced(client.clone(), ns)
+        .list(&ListParams::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")))
+        .await
+        .unwrap();
+    let mut names: Vec<String> = list
+        .items
+        .iter()
+        .map(|o| {
+            let owned = o
+                .owner_references()
+                .iter()
+                .any(|r| r.uid == owner_uid && r.controller == Some(true));
+            assert!(
+                owned,
+                "{} is not owned by the DSparkDeployment",
+                o.name_any()
+            );
+            o.name_any()
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// The operator binary is SIGKILLed as soon as the first engine Deployment of a two-pool
+/// DSparkDeployment exists; a fresh one converges to exactly the expected objects (one of each
+/// per pool, one profiling Job per node type, nothing twice) and observes the generation.
+#[tokio::test]
+async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
+    let Some(client) = cluster("restart_mid_reconcile").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-restart").await;
+    let mut first = Operator::spawn(&ns, &["--no-leader-election"], &[]);
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let dsd = dsds
+        .create(&PostParams::default(), &two_pools())
+        .await
+        .unwrap();
+    let uid = dsd.uid().unwrap();
+
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let by_dsd = ListParams::default().labels("serving.dspark.dev/deployment=qwen3-8b");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let found = deployments
+            .list_metadata(&by_dsd)
+            .await
+            .unwrap()
+            .items
+            .len();
+        if found > 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no engine Deployment within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    first.kill();
+    let at_kill = (
+        managed::<Deployment>(&client, &ns, &uid).await,
+        managed::<Service>(&client, &ns, &uid).await,
+        dsds.get("qwen3-8b").await.unwrap().status.is_some(),
+    );
+    eprintln!("killed with (Deployments, Services, status written) = {at_kill:?}");
+    let _second = Operator::spawn(&ns, &["--no-leader-election"], &[]);
+
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
+    wait_for("the status to observe the generation", || {
+        let (dsds, pdbs, by_dsd) = (dsds.clone(), pdbs.clone(), by_dsd.clone());
+        async move {
+            let d = dsds.get("qwen3-8b").await.ok()?;
+            let s = d.status?;
+            let pdbs = pdbs.list_metadata(&by_dsd).await.ok()?.items.len();
+            (s.observed_generation == d.metadata.generation && s.pools.len() == 2 && pdbs == 2)
+                .then_some(())
+        }
+    })
+    .await;
+    // Time for a duplicate to show up, were one coming.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pools = ["qwen3-8b-a100", "qwen3-8b-h100"];
+    assert_eq!(managed::<Deployment>(&client, &ns, &uid).await, pools);
+    assert_eq!(
+        managed::<PodDisruptionBudget>(&client, &ns, &uid).await,
+        pools
+    );
+    assert_eq!(
+        managed::<Service>(&client, &ns, &uid).await,
+        ["qwen3-8b", "qwen3-8b-a100", "qwen3-8b-h100"]
+    );
+    assert_eq!(
+        managed::<ConfigMap>(&client, &ns, &uid).await,
+        ["qwen3-8b-a100-cost-table", "qwen3-8b-h100-cost-table"]
+    );
+    assert_eq!(
+        managed::<Secret>(&client, &ns, &uid).await,
+        ["qwen3-8b-admin-token"]
+    );
+
+    // One cost table per node type, each with exactly one profiling Job (the one it names).
+    let cts = Api::<DSparkCostTable>::namespaced(client.clone(), &ns)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let mut node_types: Vec<&str> = cts.iter().map(|c| c.spec.node_type.as_str()).collect();
+    node_types.sort();
+    assert_eq!(node_types, ["a100-80gb", "h100-80gb"]);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let all_jobs = jobs.list_metadata(&ListParams::default()).await.unwrap();
+    assert_eq!(
+        all_jobs.items.len(),
+        2,
+        "profiling Jobs: {:?}",
+        all_jobs.items
+    );
+    for ct in &cts {
+        assert!(ct.owner_references().iter().any(|r| r.uid == uid));
+        let of_ct = jobs
+            .list_metadata(
+                &ListParams::default()
+                    .labels(&format!("serving.dspark.dev/cost-table={}", ct.name_any())),
+            )
+            .await
+            .unwrap();
+        let names: Vec<String> = of_ct.items.iter().map(|j| j.name_any()).collect();
+        let named = ct.status.as_ref().and_then(|s| s.job.clone());
+        assert_eq!(names.len(), 1, "Jobs of {}: {names:?}", ct.spec.node_type);
+        assert_eq!(Some(names[0].clone()), named);
+    }
+    let d = dsds.get("qwen3-8b").await.unwrap();
+    assert_eq!(d.status.unwrap().observed_generation, d.metadata.generation);
+    drop_namespace(&client, &ns).await;
+}
+
+/// Advisory mode: an ITL breach makes the policy advise a scale-up, which is recorded in
+/// status.lastScalingDecision (applied: false) and announced by a `ScalingAdvised` Event, while
+/// the pool's Deployment keeps its replicas.
+#[tokio::test]
+async fn advisory_mode_records_the_decision_and_changes_nothing() {
+    let Some(client) = cluster("advisory_mode").await else {
+        return;
+    };
+    install_crds(&client).await;
+    let ns = namespace(&client, "dspark-it-advisory").await;
+    let ip = "127.1.77.3";
+    let engine = fake_engine(ip).await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.slo.window_seconds = 4;
+    dsd.spec.autoscaling.period_seconds = 1;
+    dsd.spec.autoscaling.mode = AutoscalingMode::Advisory;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = engine_pod(&pods, "a100", |_| true).await;
+    make_ready(&client, &ns, &pod.name_any(), ip).await;
+
+    // p95 ITL ~97 ms against a 50 ms SLO: 1 -> 2 advised, not applied.
+    let status = wait_for("the advised decision in the status", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("smollm2").await.ok()?.status?;
+            s.last_scaling_decision.is_some().then_some(s)
+        }
+    })
+    .await;
+    let decision = status.last_scaling_decision.unwrap();
+    assert_eq!(decision.pool, "a100");
+    assert!(!decision.applied, "{decision:?}");
+    assert_eq!((decision.from_replicas, decision.to_replicas), (1, 2));
+    assert!(decision.reason.contains("ITL"), "{}", decision.reason);
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let event = wait_for("a ScalingAdvised Event", || {
+        let events = events.clone();
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("ScalingAdvised")
+                        && e.involved_object.name.as_deref() == Some("smollm2")
+                })
+        }
+    })
+    .await;
+    assert!(event.message.unwrap_or_default().contains("1 -> 2"));
+
+    // Several more evaluations: the breach goes on, the Deployment stays at one replica.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    for _ in 0..8 {
+        let dep = deployments.get("smollm2-a100").await.unwrap();
+        assert_eq!(dep.spec.replicas, Some(1), "advisory mode scaled");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let s = dsds.get("smollm2").await.unwrap().status.unwrap();
+    assert_eq!(s.slo_status.as_deref(), Some("Breached"));
+    assert!(!s.last_scaling_decision.unwrap().applied);
+    handle.abort();
+    for t in engine.tasks {
+        t.abort();
+    }
     drop_namespace(&client, &ns).await;
 }
