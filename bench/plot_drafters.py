@@ -15,6 +15,8 @@ stats = doc["stats"]
 domains = sorted({s["domain"] for s in stats}, key=lambda d: ["code", "math", "chat"].index(d) if d in ["code", "math", "chat"] else 9)
 drafters = [d for d in dict.fromkeys(s["drafter"] for s in stats) if d != "plain"]
 get = {(s["drafter"], s["domain"]): s for s in stats}
+palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+color = {d: palette[i % len(palette)] for i, d in enumerate(drafters)}
 
 fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), sharey=True, squeeze=False)
 for ax, dom in zip(axes[0], domains):
@@ -23,7 +25,7 @@ for ax, dom in zip(axes[0], domains):
         if not s:
             continue
         ks = [k + 1 for k, n in enumerate(s["reached"]) if n > 0]
-        ax.plot(ks, [s["acceptance"][k - 1] for k in ks], marker="o", label=d)
+        ax.plot(ks, [s["acceptance"][k - 1] for k in ks], marker="o", label=d, color=color[d])
     ax.set_title(f"{dom}")
     ax.set_xlabel("block position k")
     ax.grid(alpha=0.3)
@@ -37,7 +39,7 @@ fig, ax = plt.subplots(figsize=(5.5, 3.4))
 w = 0.8 / max(1, len(drafters))
 for i, d in enumerate(drafters):
     xs = [j + i * w for j in range(len(domains))]
-    ax.bar(xs, [get[(d, dom)]["tau"] if (d, dom) in get else 0 for dom in domains], w, label=d)
+    ax.bar(xs, [get[(d, dom)]["tau"] if (d, dom) in get else 0 for dom in domains], w, label=d, color=color[d])
 ax.set_xticks([j + w * (len(drafters) - 1) / 2 for j in range(len(domains))], domains)
 ax.set_ylabel("tau (tokens per target forward)")
 ax.legend(fontsize=8)
@@ -60,7 +62,7 @@ for d in drafters:
         sc, sa, sn = agg.get(b, (0.0, 0.0, 0))
         agg[b] = (sc + c * n, sa + a * n, sn + n)
     pts = sorted((sc / sn, sa / sn) for sc, sa, sn in agg.values())
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d, color=color[d])
 ax.set_xlabel("confidence c_k (after STS)")
 ax.set_ylabel("observed acceptance")
 ax.set_title("reliability (conditional, all domains)")

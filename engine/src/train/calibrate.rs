@@ -107,6 +107,10 @@ pub struct StsReport {
 }
 
 const BINS: usize = 15;
+/// Least ECE improvement for a temperature other than 1.
+const MIN_GAIN: f64 = 1e-4;
+/// Least observed survivals at a position to fit its temperature.
+const MIN_SURVIVORS: usize = 20;
 
 fn column(v: &[Vec<f64>], k: usize) -> Vec<f64> {
     v.iter().map(|r| r[k]).collect()
@@ -146,7 +150,22 @@ pub fn fit_sts(s: &Samples) -> Result<StsReport> {
                 best = (e, tk);
             }
         }
-        t[k] = best.1;
+        // Keep T = 1 unless the grid clearly helps (positions almost nobody reaches have
+        // too few survivals to fit a temperature on).
+        let e1 = {
+            let a: Vec<f64> =
+                s.z.iter()
+                    .zip(&prefix)
+                    .map(|(z, &p)| p * sigmoid(z[k] as f64))
+                    .collect();
+            ece(&a, &o, BINS)
+        };
+        let survivors = o.iter().filter(|&&x| x > 0.0).count();
+        t[k] = if best.0 < e1 - MIN_GAIN && survivors >= MIN_SURVIVORS {
+            best.1
+        } else {
+            1.0
+        };
         for (p, z) in prefix.iter_mut().zip(&s.z) {
             *p *= sigmoid(z[k] as f64 / t[k]);
         }
