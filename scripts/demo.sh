@@ -6,7 +6,20 @@ cd "$(dirname "$0")/.."
 MODEL="$1"; PORT="${2:-8000}"
 BIN="${DSPARK_ENGINE_BIN:-target/release/dspark-engine}"
 LOG="$(mktemp -t dspark-demo.XXXXXX.log)"
-"$BIN" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
+# The shipped trained drafter of this model, if any (drafters/<model-id>-*): DSpark
+# speculation with it by default. DEMO_SPECULATION=none (or ngram, ...) overrides.
+SPEC=()
+case "$(basename "$MODEL")" in
+  SmolLM2-135M-Instruct*) DRAFTER=drafters/smollm2-135m-dspark-markov ;;
+  *) DRAFTER= ;;
+esac
+if [ -n "${DEMO_SPECULATION:-}" ]; then
+  SPEC=(--speculation "$DEMO_SPECULATION")
+elif [ -n "$DRAFTER" ] && [ -f "$DRAFTER/model.safetensors" ]; then
+  SPEC=(--speculation dspark-markov --drafter "$DRAFTER" --policy dspark --gamma 4)
+  echo "speculative decoding with the shipped drafter $DRAFTER (DEMO_SPECULATION=none to disable)"
+fi
+"$BIN" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" "${SPEC[@]}" >"$LOG" 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do
