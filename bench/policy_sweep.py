@@ -63,6 +63,39 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit("policy_sweep: engine not ready in time")
 
 
+def run_level(args, table: str, spec: str, level: str, out: Path) -> list[dict]:
+    """Starts an engine with policy `spec`, runs one closed-loop level, stops it."""
+    label, pargs = policy_args(spec, args.gamma_max, args.speculation)
+    url = f"http://127.0.0.1:{args.port}"
+    cmd = [args.bin, "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
+           str(args.port), "--served-model-name", "bench", "--cost-table", table,
+           "--max-running", "64", *pargs]
+    if args.drafter and spec != "none":
+        cmd += ["--drafter", args.drafter]
+    tag = f"{spec.replace(':', '-')}-c{level}"
+    log = open(out / f"serve-{tag}.log", "w")
+    print(f"# {label} @ {level} streams: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(url, proc)
+        jpath = out / f"loadgen-{tag}.json"
+        subprocess.run([sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
+                        "--model", "bench", "--concurrency", level,
+                        "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+                        "--temperature", str(args.temperature), "--ignore-eos",
+                        "--prompts", args.prompts, "--json-out", str(jpath)], check=True)
+        data = json.loads(jpath.read_text())
+        return [{"policy": label, "spec": spec, **s} for s in data["summaries"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        time.sleep(1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -96,37 +129,14 @@ def main() -> int:
     print("# cost table: " + ", ".join(f"SPS({b})={s:.1f}" for b, s in ct["points"]))
 
     results = []
-    for spec in args.policies.split(","):
-        label, pargs = policy_args(spec.strip(), args.gamma_max, args.speculation)
-        url = f"http://127.0.0.1:{args.port}"
-        cmd = [args.bin, "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
-               str(args.port), "--served-model-name", "bench", "--cost-table", table,
-               "--max-running", "64", *pargs]
-        if args.drafter and spec != "none":
-            cmd += ["--drafter", args.drafter]
-        log = open(out / f"serve-{spec.replace(':', '-')}.log", "w")
-        print(f"# {label}: {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_ready(url, proc)
-            jpath = out / f"loadgen-{spec.replace(':', '-')}.json"
-            subprocess.run([sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
-                            "--model", "bench", "--concurrency", args.concurrency,
-                            "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
-                            "--temperature", str(args.temperature), "--ignore-eos",
-                            "--prompts", args.prompts, "--json-out", str(jpath)], check=True)
-            data = json.loads(jpath.read_text())
-            for s in data["summaries"]:
-                results.append({"policy": label, "spec": spec, **s})
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
-        time.sleep(1)
-
+    specs = [p.strip() for p in args.policies.split(",")]
+    levels = [c.strip() for c in args.concurrency.split(",")]
+    # Level-major: every policy runs each load level back to back (alternating order from
+    # level to level), so drifting background load hits all policies alike.
+    for li, level in enumerate(levels):
+        for spec in (specs if li % 2 == 0 else specs[::-1]):
+            results.extend(run_level(args, table, spec, level, out))
+    results.sort(key=lambda r: (specs.index(r["spec"]), float(r["value"])))
     (out / "sweep.json").write_text(json.dumps({"cost_table": ct, "results": results}, indent=1))
     print()
     print("| policy | streams | tok/s | per-user tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | accept % |")
