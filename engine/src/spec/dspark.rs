@@ -379,7 +379,7 @@ pub struct DSparkDrafter {
     /// `[1, hidden]` input of the mask positions.
     mask_row: Tensor,
     /// Rows of the target's LM head for `draft_vocab` (None: the full head).
-    draft_lm_head: Option<QMatMul>,
+    draft_lm_head: Option<crate::model::Linear>,
     rope_cos: Tensor,
     rope_sin: Tensor,
     eps: f32,
@@ -601,7 +601,9 @@ impl DSparkDrafter {
         let draft_lm_head = cfg
             .draft_vocab
             .as_ref()
-            .map(|v| select_rows(&target.weights.lm_head, v))
+            .map(|v| {
+                select_rows(&target.weights.lm_head, v).map(crate::model::Linear::from_qmatmul)
+            })
             .transpose()?;
         let (rope_cos, rope_sin) =
             crate::model::rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
