@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
-from conftest import start_engine
+from engine_proc import start_engine
 
 
 def post(url, body, timeout=120):

@@ -1,0 +1,48 @@
+"""Starting a real `dspark-engine serve` process for the tests in this folder. (A module of
+its own: `conftest` names collide between test folders run in one pytest session.)"""
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(extra_args=(), log_name="dspark-python-engine.log"):
+    """A `dspark-engine serve` process on a free loopback port, ready: (proc, url, log path)."""
+    binary = Path(os.environ.get("DSPARK_ENGINE_BIN", ROOT / "target" / "release" / "dspark-engine"))
+    model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    assert binary.exists(), f"{binary} missing: run `cargo build --release` (make test does)"
+    assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
+    port = _free_port()
+    log_path = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / log_name
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+         "--served-model-name", "smollm2", "--kv-cache-mb", "128", "--max-model-len", "2048",
+         *extra_args],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url, log_path
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("engine did not become ready in 120 s")
