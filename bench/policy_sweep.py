@@ -183,7 +183,24 @@ def main() -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "sweep.png", dpi=120)
-        print(f"\n# wrote {out / 'sweep.png'} and {out / 'sweep.json'}")
+        # The cost table the scheduler used: SPS(B) and the token throughput B * SPS(B).
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        bs = [b for b, _ in ct["points"]]
+        sps = [v for _, v in ct["points"]]
+        ax.plot(bs, sps, "o-", label="SPS(B): target forwards / s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens in one target forward (B)")
+        ax.set_ylabel("steps / s")
+        ax2 = ax.twinx()
+        ax2.plot(bs, [b * v for b, v in zip(bs, sps)], "s--", color="tab:orange",
+                 label="B * SPS(B): tokens / s")
+        ax2.set_ylabel("tokens / s")
+        ax.set_title(f"SPS(B) of {ct['model_id']} on {ct['device']}")
+        ax.grid(True, alpha=0.3)
+        fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.88))
+        fig.tight_layout()
+        fig.savefig(out / "sps.png", dpi=120)
+        print(f"\n# wrote {out / 'sweep.png'}, {out / 'sps.png'} and {out / 'sweep.json'}")
     except ImportError:
         print("# matplotlib missing: no PNG")
     return 0
