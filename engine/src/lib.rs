@@ -19,6 +19,8 @@ pub mod runtime;
 pub mod sampling;
 pub mod server;
 pub mod spec;
+#[cfg(test)]
+pub(crate) mod testutil;
 pub mod tokenizer;
 pub mod train;
 
