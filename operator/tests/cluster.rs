@@ -48,6 +48,15 @@ async fn cluster(test: &str) -> Option<Client> {
     }
 }
 
+/// The test cluster with the CRDs installed and a fresh namespace `{ns_base}-{unique}`, or
+/// `None` (after saying why) when there is no cluster.
+async fn test_env(test: &str, ns_base: &str) -> Option<(Client, String)> {
+    let client = cluster(test).await?;
+    install_crds(&client).await;
+    let ns = namespace(&client, ns_base).await;
+    Some((client, ns))
+}
+
 fn repo(path: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
@@ -155,11 +164,9 @@ fn samples(dir: &str) -> Vec<(String, String)> {
 
 #[tokio::test]
 async fn crds_accept_the_samples_and_refuse_the_invalid_ones_with_their_message() {
-    let Some(client) = cluster("crds_accept_the_samples").await else {
+    let Some((client, ns)) = test_env("crds_accept_the_samples", "dspark-it-samples").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-samples").await;
     let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let dry = PostParams {
         dry_run: true,
@@ -282,11 +289,9 @@ fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
 
 #[tokio::test]
 async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
-    let Some(client) = cluster("scale_subresource").await else {
+    let Some((client, ns)) = test_env("scale_subresource", "dspark-it-scale").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-scale").await;
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
     let dsd = two_pools();
@@ -380,11 +385,11 @@ async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
 
 #[tokio::test]
 async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
-    let Some(client) = cluster("reconcile_creates_the_pool_objects").await else {
+    let Some((client, ns)) =
+        test_env("reconcile_creates_the_pool_objects", "dspark-it-reconcile").await
+    else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-reconcile").await;
 
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
@@ -665,11 +670,11 @@ async fn engine_pod(pods: &Api<Pod>, pool: &str, f: impl Fn(&Pod) -> bool) -> Po
 
 #[tokio::test]
 async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
-    let Some(client) = cluster("ready_pods_get_the_table_pushed").await else {
+    let Some((client, ns)) =
+        test_env("ready_pods_get_the_table_pushed", "dspark-it-autoscale").await
+    else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-autoscale").await;
     let ip = "127.1.77.1";
     let engine = fake_engine(ip).await;
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
@@ -836,11 +841,9 @@ impl Drop for OtlpStack {
 /// and the operator's counters and pool gauges arrive as OTLP metrics.
 #[tokio::test]
 async fn operator_exports_reconcile_and_autoscale_spans_over_otlp() {
-    let Some(client) = cluster("operator_otlp").await else {
+    let Some((client, ns)) = test_env("operator_otlp", "dspark-it-otlp").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-otlp").await;
     let otel_dir = std::env::temp_dir().join(format!("dspark-it-otel-{}", std::process::id()));
     let http_port = free_port();
     let env = [
@@ -981,11 +984,9 @@ fn sole_leader(
 /// two lease durations and rolls a spec change through.
 #[tokio::test]
 async fn two_operator_replicas_never_both_act_and_the_follower_takes_over() {
-    let Some(client) = cluster("leader_election").await else {
+    let Some((client, ns)) = test_env("leader_election", "dspark-it-leader").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-leader").await;
     let lease = format!("{ns}-leader");
     let ids = ["a", "b"];
     let lease_seconds = 6;
@@ -1129,11 +1130,9 @@ where
 /// per pool, one profiling Job per node type, nothing twice) and observes the generation.
 #[tokio::test]
 async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
-    let Some(client) = cluster("restart_mid_reconcile").await else {
+    let Some((client, ns)) = test_env("restart_mid_reconcile", "dspark-it-restart").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-restart").await;
     let mut first = Operator::spawn(&ns, &["--no-leader-election"], &[]);
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let dsd = dsds
@@ -1244,11 +1243,9 @@ async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
 /// the pool's Deployment keeps its replicas.
 #[tokio::test]
 async fn advisory_mode_records_the_decision_and_changes_nothing() {
-    let Some(client) = cluster("advisory_mode").await else {
+    let Some((client, ns)) = test_env("advisory_mode", "dspark-it-advisory").await else {
         return;
     };
-    install_crds(&client).await;
-    let ns = namespace(&client, "dspark-it-advisory").await;
     let ip = "127.1.77.3";
     let engine = fake_engine(ip).await;
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
