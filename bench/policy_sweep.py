@@ -99,8 +99,10 @@ def run_level(args, table: str, spec: str, level: str, out: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
+    cache = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
     ap.add_argument("--bin", default=os.environ.get("DSPARK_ENGINE_BIN") or str(
-        Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "dspark-engine"))
+        Path(os.environ.get("CARGO_TARGET_DIR", cache / "cargo-target")) / "release" / "dspark-engine"),
+        help="dspark-engine binary (default: the Makefile's build output)")
     ap.add_argument("--speculation", default="ngram")
     ap.add_argument("--drafter")
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
