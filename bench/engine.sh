@@ -2,13 +2,15 @@
 # Benchmarks dspark-engine on MODEL the same way bench/peer-llamacpp.sh measures llama.cpp:
 # SPS(B) with `dspark-engine profile`, single-stream decode, and total throughput at
 # 1/4/16/32 concurrent streams with bench/loadgen.py against `dspark-engine serve`.
-# Usage: bench/engine.sh MODEL.gguf [extra serve args...]   Env: DURATION (s, default 20)
+# Same prompts as bench/peer-llamacpp.sh (loadgen's default set).
+# Usage: bench/engine.sh MODEL.gguf [extra serve args...]
+# Env: DURATION (s per level, default 30), OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="$1"; shift
-DURATION="${DURATION:-20}"
+DURATION="${DURATION:-30}"
 BIN="${DSPARK_ENGINE_BIN:-${CARGO_TARGET_DIR:-target}/release/dspark-engine}"
-OUT="${DSPARK_CACHE:-$HOME/.cache/dspark}/bench/engine-$(basename "$MODEL" .gguf)-$(date +%Y%m%d-%H%M%S)"
+OUT="${OUT_DIR:-${DSPARK_CACHE:-$HOME/.cache/dspark}/bench/engine-$(basename "$MODEL" .gguf)-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
 echo "== SPS(B): $BIN profile (decode steps: 1 token per sequence, context 256)"
 "$BIN" profile --model "$MODEL" --tokens-per-seq 1 --max-reps 20 --output "$OUT/sps-decode.json" 2>&1 | grep -E "B=|profiling"
@@ -21,6 +23,6 @@ trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.2; done
 echo "== throughput (loadgen, closed loop, ${DURATION}s per level, 128 output tokens, ignore EOS)"
 python3 bench/loadgen.py --url "http://127.0.0.1:$PORT" --model bench --concurrency 1,4,16,32 \
-  --duration "$DURATION" --max-tokens 128 --ignore-eos --prompts tests/peer/prompts.jsonl \
+  --duration "$DURATION" --max-tokens 128 --ignore-eos \
   --json-out "$OUT/loadgen.json"
 echo "results in $OUT"

@@ -41,6 +41,7 @@ pub fn init_threads(n: Option<usize>) {
             .map(|n| n.get())
             .unwrap_or(1)
     });
+    crate::kernels::pool::set_threads(n);
     let _ = rayon::ThreadPoolBuilder::new()
         .num_threads(n)
         .build_global();

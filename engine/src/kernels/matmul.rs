@@ -2,37 +2,57 @@
 //!
 //! 1. The `m` input rows are quantised once (the format the weight type multiplies with).
 //! 2. The `n` weight rows are cut into chunks sized to stay in L1/L2, which run in parallel on
-//!    rayon's (persistent) global pool.
+//!    the kernel pool ([`super::pool`]).
 //! 3. Inside a chunk, input rows go in tiles of 4: each weight block is unpacked once per tile
 //!    and multiplied with 4 activation rows held in registers. The chunk's weights come from
 //!    memory once; later tiles find them in cache.
+//!
+//! Parallel work runs on [`super::pool`], not rayon: a step has ~150 short regions.
 
 use super::dot::Kernel;
-use rayon::prelude::*;
+use super::pool;
 
 /// Instruction set used by the dot products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Ordered: each one includes the ones before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
+    /// AVX2 + FMA + F16C.
     Avx2,
+    /// Avx2 plus AVX-512 F/BW/VL/VNNI: packed weights (Q4_0, Q4_1, Q8_0) use [`super::vnni`].
+    Avx512Vnni,
 }
 
 impl Isa {
-    /// The best one this CPU supports (AVX2 + FMA + F16C), unless `DSPARK_KERNEL_ISA=scalar`.
-    pub fn detect() -> Isa {
+    /// The best one this CPU supports.
+    pub fn supported() -> Isa {
         static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            if std::env::var("DSPARK_KERNEL_ISA").as_deref() == Ok("scalar") {
-                return Isa::Scalar;
-            }
             #[cfg(target_arch = "x86_64")]
             if is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                return Isa::Avx2;
+                return if super::vnni::available() {
+                    Isa::Avx512Vnni
+                } else {
+                    Isa::Avx2
+                };
             }
             Isa::Scalar
+        })
+    }
+
+    /// The one to use: [`Isa::supported`], lowered by `DSPARK_KERNEL_ISA=scalar|avx2`.
+    pub fn detect() -> Isa {
+        static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *ISA.get_or_init(|| {
+            let cap = match std::env::var("DSPARK_KERNEL_ISA").as_deref() {
+                Ok("scalar") => Isa::Scalar,
+                Ok("avx2") => Isa::Avx2,
+                _ => Isa::Avx512Vnni,
+            };
+            Isa::supported().min(cap)
         })
     }
 }
@@ -53,6 +73,16 @@ pub struct OutPtr(pub *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+struct ActsPtr<A>(*mut A);
+// SAFETY: the tasks write disjoint rows.
+unsafe impl<A> Send for ActsPtr<A> {}
+unsafe impl<A> Sync for ActsPtr<A> {}
+impl<A> ActsPtr<A> {
+    fn get(&self) -> *mut A {
+        self.0
+    }
+}
+
 /// Quantises the `m` rows of `x` (`k` each) for kernel `K`.
 pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     assert!(
@@ -64,9 +94,12 @@ pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     let nb = k / K::BLOCK;
     let mut acts = vec![K::A::default(); m * nb];
     if m * k >= 1 << 16 {
-        acts.par_chunks_mut(nb)
-            .zip(x.par_chunks(k))
-            .for_each(|(a, x)| K::quantize(x, a));
+        let ptr = ActsPtr(acts.as_mut_ptr());
+        pool::run(m, &|i| {
+            // SAFETY: task i writes only row i's `nb` blocks.
+            let a = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(i * nb), nb) };
+            K::quantize(&x[i * k..(i + 1) * k], a)
+        });
     } else {
         for (a, x) in acts.chunks_mut(nb).zip(x.chunks(k)) {
             K::quantize(x, a);
@@ -105,15 +138,16 @@ pub unsafe fn run_rows<K: Kernel>(
     }
 }
 
-/// Cuts the rows of each matrix (`(n, row_bytes)`) into chunks for the pool: small enough
-/// to stay in cache, at least 4 per thread over all matrices. Returns
-/// `(matrix, j0, j1)` jobs, or one job per matrix when the work is too small to share.
-pub fn plan(shapes: &[(usize, usize)], work: usize) -> Vec<(usize, usize, usize)> {
-    let threads = rayon::current_num_threads();
+/// Cuts the rows of each matrix (`(n, row_bytes, align)`) into chunks for the pool: small
+/// enough to stay in cache, at least 4 per thread over all matrices, chunk boundaries on
+/// multiples of `align` (which divides `n`). Returns `(matrix, j0, j1)` jobs, or one job per
+/// matrix when the work is too small to share.
+pub fn plan(shapes: &[(usize, usize, usize)], work: usize) -> Vec<(usize, usize, usize)> {
+    let threads = pool::global().size();
     let serial = threads <= 1 || work < PAR_MIN_WORK;
     let total: usize = shapes.iter().map(|s| s.0).sum();
     let mut jobs = Vec::new();
-    for (i, &(n, row_bytes)) in shapes.iter().enumerate() {
+    for (i, &(n, row_bytes, align)) in shapes.iter().enumerate() {
         let rows = if serial {
             n.max(1)
         } else {
@@ -122,6 +156,7 @@ pub fn plan(shapes: &[(usize, usize)], work: usize) -> Vec<(usize, usize, usize)
             let want = (threads * 4 * n).div_ceil(total.max(1)).max(1);
             n.div_ceil(want).clamp(1, fit)
         };
+        let rows = rows.next_multiple_of(align.max(1));
         let mut j0 = 0;
         while j0 < n {
             jobs.push((i, j0, (j0 + rows).min(n)));
@@ -133,13 +168,10 @@ pub fn plan(shapes: &[(usize, usize)], work: usize) -> Vec<(usize, usize, usize)
 
 /// Runs `job` for every planned chunk, on the pool when there is more than one.
 pub fn execute(jobs: &[(usize, usize, usize)], job: impl Fn(usize, usize, usize) + Sync) {
-    if jobs.len() <= 1 || rayon::current_num_threads() <= 1 {
-        for &(i, j0, j1) in jobs {
-            job(i, j0, j1);
-        }
-    } else {
-        jobs.par_iter().for_each(|&(i, j0, j1)| job(i, j0, j1));
-    }
+    pool::run(jobs.len(), &|t| {
+        let (i, j0, j1) = jobs[t];
+        job(i, j0, j1)
+    });
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -161,9 +193,9 @@ fn tile<K: Kernel, const R: usize>(
         let mut o = [0f32; R];
         match isa {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Isa::Avx2` is only chosen when the CPU has AVX2, FMA and F16C; every
+            // SAFETY: `Isa::Avx2` and above are only chosen when the CPU has AVX2, FMA and F16C; every
             // activation row has `nb` blocks like the weight row.
-            Isa::Avx2 => unsafe { K::dot_avx2::<R>(wr, &a, &mut o) },
+            Isa::Avx2 | Isa::Avx512Vnni => unsafe { K::dot_avx2::<R>(wr, &a, &mut o) },
             _ => {
                 for (o, a) in o.iter_mut().zip(&a) {
                     *o = K::dot_scalar(wr, a);

@@ -9,6 +9,9 @@
 //! - [`q8`]: activation quantisation.
 //! - [`dot`]: scalar and AVX2/FMA block dot products, R = 1..=4 input rows per weight row.
 //! - [`matmul`]: the tiled, parallel driver.
+//! - [`pool`]: the spinning thread pool the forward's parallel regions run on.
+//! - [`vnni`]: AVX-512 VNNI kernels on weights repacked 16 rows per vector (Q4_0, Q4_1,
+//!   Q8_0), used when the CPU has them and the caller supplies the packed copy.
 //!
 //! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
 //! `QMatMul` (see `model::linear`).
@@ -16,7 +19,9 @@
 pub mod blocks;
 pub mod dot;
 pub mod matmul;
+pub mod pool;
 pub mod q8;
+pub mod vnni;
 
 use candle_core::quantized::GgmlDType;
 pub use matmul::Isa;
@@ -100,6 +105,7 @@ pub struct QMatrix<'a> {
     pub n: usize,
     pub k: usize,
     data: &'a [u8],
+    packed: Option<&'a vnni::Packed>,
 }
 
 fn cast<W>(data: &[u8]) -> &[W] {
@@ -136,7 +142,30 @@ impl<'a> QMatrix<'a> {
         if !(data.as_ptr() as usize).is_multiple_of(2) {
             return Err("weight blocks are not 2-byte aligned".into());
         }
-        Ok(Self { ty, n, k, data })
+        Ok(Self {
+            ty,
+            n,
+            k,
+            data,
+            packed: None,
+        })
+    }
+
+    /// Also use `p` (the same matrix repacked) where the CPU runs the VNNI kernels.
+    pub fn with_packed(mut self, p: Option<&'a vnni::Packed>) -> Self {
+        if let Some(p) = p {
+            assert!(
+                p.ty == self.ty && p.n == self.n && p.k == self.k,
+                "packed copy of another matrix"
+            );
+        }
+        self.packed = p;
+        self
+    }
+
+    /// The packed copy, when this call will use it.
+    fn packed_for(&self, isa: Isa) -> Option<&'a vnni::Packed> {
+        self.packed.filter(|_| isa == Isa::Avx512Vnni)
     }
 
     /// `out[m, n] = x[m, k] · Wᵀ` with the best instruction set of this CPU.
@@ -161,6 +190,10 @@ impl<'a> QMatrix<'a> {
     /// holds the formats this type needs.
     unsafe fn run(&self, acts: &Acts, m: usize, j0: usize, j1: usize, out: OutPtr, isa: Isa) {
         use matmul::run_rows;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(p) = self.packed_for(isa) {
+            return p.run(&acts.q8, m, j0, j1, out.0);
+        }
         let (n, d) = (self.n, self.data);
         match self.ty {
             QType::Q4_0 => run_rows::<dot::Q4_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
@@ -209,11 +242,7 @@ pub fn matmul_many(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]])
 
 /// As [`matmul_many`] with a chosen instruction set.
 pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]], isa: Isa) {
-    let isa = if isa == Isa::Avx2 && Isa::detect() != Isa::Avx2 {
-        Isa::Scalar
-    } else {
-        isa
-    };
+    let isa = isa.min(Isa::supported());
     assert_eq!(ws.len(), outs.len(), "one output per matrix");
     let Some(k) = ws.first().map(|w| w.k) else {
         return;
@@ -238,7 +267,13 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
             Vec::new()
         },
     };
-    let shapes: Vec<(usize, usize)> = ws.iter().map(|w| (w.n, w.row_bytes())).collect();
+    let shapes: Vec<(usize, usize, usize)> = ws
+        .iter()
+        .map(|w| match w.packed_for(isa) {
+            Some(_) => (w.n, w.row_bytes(), vnni::LANES),
+            None => (w.n, w.row_bytes(), 1),
+        })
+        .collect();
     let work = m * k * ws.iter().map(|w| w.n).sum::<usize>();
     let jobs = matmul::plan(&shapes, work);
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();

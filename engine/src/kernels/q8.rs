@@ -16,6 +16,8 @@ use half::f16;
 pub struct Q8Block {
     pub d: f32,
     pub s: f32,
+    /// `sum(qs)`, exact (the packed kernels remove weight offsets with it).
+    pub isum: i32,
     pub qs: [i8; QK],
 }
 
@@ -57,6 +59,7 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
         }
         y.d = round_f16(d);
         y.s = round_f16(d * sum as f32);
+        y.isum = sum;
     }
 }
 

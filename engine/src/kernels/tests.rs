@@ -6,7 +6,8 @@
 //! - exact-arithmetic reference (activations quantised the same way, then dequantised, f64
 //!   sums; for Q4_1/Q5_1 the min term uses Q8_1's f16 `s` as ggml does):
 //!   `|y - ref| <= 1e-5 S` (f32 rounding only);
-//! - scalar vs AVX2: `|y_avx2 - y_scalar| <= 1e-5 S`;
+//! - scalar vs AVX2 vs AVX-512 VNNI on packed weights (Q4_0/Q4_1/Q8_0 with n a multiple of
+//!   16, when the CPU has it): `|y_isa - y_scalar| <= 1e-5 S`;
 //! - plain f32 reference (unquantised activations):
 //!   `|y - ref| <= sum_l |x_l - q(x_l)| |w_jl| + 2e-3 S`, where `q(x_l)` is the quantised
 //!   activation (|x_l - q(x_l)| <= amax(block)/254, about 0.4% of the block's largest value).
@@ -85,7 +86,11 @@ fn check(ty: QType, m: usize, n: usize, k: usize, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let qt = quantized(ty, n, k, &mut rng);
     let data = qt.data().unwrap();
-    let w = QMatrix::new(ty, n, k, &data).unwrap();
+    let packed =
+        vnni::Packed::supports(ty, n, k).then(|| vnni::Packed::new(ty, n, k, &data).unwrap());
+    let w = QMatrix::new(ty, n, k, &data)
+        .unwrap()
+        .with_packed(packed.as_ref());
     let wf = w.dequantize();
     let x = random(m * k, &mut rng);
     let (xq, ds): (Vec<Vec<f32>>, Vec<Vec<f64>>) =
@@ -93,10 +98,37 @@ fn check(ty: QType, m: usize, n: usize, k: usize, seed: u64) {
     let (xq, ds) = (xq.concat(), ds.concat());
     let nb = k / ty.block_size();
     let mins = block_mins(ty, &data, n * nb);
-    let mut y = vec![0f32; m * n];
     let mut ys = vec![0f32; m * n];
-    w.matmul(&x, m, &mut y);
     w.matmul_isa(&x, m, &mut ys, Isa::Scalar);
+    for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+        if isa > Isa::supported() {
+            continue;
+        }
+        let mut y = vec![0f32; m * n];
+        w.matmul_isa(&x, m, &mut y, isa);
+        compare(
+            ty,
+            (m, n, k),
+            seed,
+            isa,
+            (&x, &xq, &wf),
+            (&ds, &mins),
+            (&y, &ys),
+        );
+    }
+}
+
+#[allow(clippy::type_complexity)]
+fn compare(
+    ty: QType,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+    isa: Isa,
+    (x, xq, wf): (&[f32], &[f32], &[f32]),
+    (ds, mins): (&[f64], &[f64]),
+    (y, ys): (&[f32], &[f32]),
+) {
+    let nb = k / ty.block_size();
     for i in 0..m {
         for j in 0..n {
             let (xr, xqr, wr) = (
@@ -120,14 +152,14 @@ fn check(ty: QType, m: usize, n: usize, k: usize, seed: u64) {
                 .map(|((&a, &q), &b)| ((a - q) * b).abs() as f64)
                 .sum();
             let (v, vs) = (y[i * n + j] as f64, ys[i * n + j] as f64);
-            let ctx = format!("{ty:?} m={m} n={n} k={k} seed={seed} at ({i},{j})");
+            let ctx = format!("{ty:?} {isa:?} m={m} n={n} k={k} seed={seed} at ({i},{j})");
             assert!(
                 (v - exact).abs() <= 1e-5 * s,
                 "{ctx}: {v} vs exact {exact} (S={s})"
             );
             assert!(
                 (v - vs).abs() <= 1e-5 * s,
-                "{ctx}: avx2 {v} vs scalar {vs} (S={s})"
+                "{ctx}: {v} vs scalar {vs} (S={s})"
             );
             assert!(
                 (v - plain).abs() <= qerr + 2e-3 * s,
@@ -167,6 +199,7 @@ fn every_type_every_batch_size() {
         let k = if ty.block_size() == QK_K { 512 } else { 96 };
         for m in 1..=64 {
             check(ty, m, 7, k, m as u64);
+            check(ty, m, 32, k, 100 + m as u64);
         }
     }
 }
@@ -181,6 +214,9 @@ fn odd_shapes_and_parallel_chunks() {
             (5, 301, 2),
             (64, 65, 1),
             (9, 1000, 3),
+            (5, 48, 3),
+            (7, 160, 18),
+            (64, 2064, 1),
         ] {
             check(ty, m, n, kb * bs, (m * n) as u64);
         }
@@ -214,6 +250,12 @@ proptest! {
         let ty = QType::ALL[t];
         check(ty, m, n, kb * ty.block_size(), seed);
     }
+
+    #[test]
+    fn random_packable_shapes(t in 0usize..3, m in 1usize..24, g in 1usize..6, kb in 1usize..20, seed in 0u64..1000) {
+        let ty = [QType::Q4_0, QType::Q4_1, QType::Q8_0][t];
+        check(ty, m, 16 * g, kb * ty.block_size(), seed);
+    }
 }
 
 /// Throughput of the shapes of SmolLM2-135M (`cargo test --release -p dspark-engine --lib
@@ -234,7 +276,12 @@ fn bench() {
     ] {
         let qt = quantized(ty, n, k, &mut rng);
         let data = qt.data().unwrap();
-        let w = QMatrix::new(ty, n, k, &data).unwrap();
+        let packed =
+            vnni::Packed::supports(ty, n, k).then(|| vnni::Packed::new(ty, n, k, &data).unwrap());
+        let w = QMatrix::new(ty, n, k, &data)
+            .unwrap()
+            .with_packed(packed.as_ref());
+        println!("ISA {:?}", Isa::detect());
         for m in [1, 4, 16, 64] {
             let x = random(m * k, &mut rng);
             let mut y = vec![0f32; m * n];

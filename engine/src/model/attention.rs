@@ -5,7 +5,6 @@
 //! against each other.
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 /// One sequence's part of a batched attention call.
 #[derive(Debug, Clone)]
@@ -118,7 +117,7 @@ impl PagedAttention {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let ca = a.chunks_exact(8);
@@ -126,20 +125,49 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] = x[i].mul_add(y[i], acc[i]);
         }
     }
-    let mut s: f32 = acc.iter().sum();
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
+        s = x.mul_add(*y, s);
     }
     s
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
     for (o, v) in out.iter_mut().zip(x) {
-        *o += w * v;
+        *o = w.mul_add(*v, *o);
+    }
+}
+
+/// Where the tasks write: `[T, num_heads * head_dim]`.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: each task writes only its own (row, kv head) group of heads.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+impl OutPtr {
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
+impl PagedAttention {
+    /// Calls `f(p, slot)` for positions `lo..hi` in order, walking the block table.
+    #[inline(always)]
+    fn for_slots(&self, s: &AttnSeq, lo: usize, hi: usize, mut f: impl FnMut(usize, usize)) {
+        let bs = self.block_size;
+        let mut p = lo;
+        while p < hi {
+            let base = s.block_table[p / bs] as usize * bs;
+            let end = ((p / bs + 1) * bs).min(hi);
+            for pp in p..end {
+                f(pp, base + pp % bs);
+            }
+            p = end;
+        }
     }
 }
 
@@ -148,6 +176,8 @@ impl CustomOp3 for PagedAttention {
         "paged-attention"
     }
 
+    /// One task per (query row, kv head): each cached key and value row is read once for
+    /// the whole group of query heads that share it.
     fn cpu_fwd(
         &self,
         qs: &CpuStorage,
@@ -169,52 +199,185 @@ impl CustomOp3 for PagedAttention {
         };
         let (q, kc, vc) = (&q[q0..], &kc[k0..], &vc[v0..]);
         let (t, nh, hd) = ql.shape().dims3()?;
-        let kv_dim = self.num_kv_heads * hd;
-        let group = nh / self.num_kv_heads;
+        let nkv = self.num_kv_heads;
+        let kv_dim = nkv * hd;
+        let group = nh / nkv;
         let mut out = vec![0f32; t * nh * hd];
         // Map each flat row to its sequence.
         let mut row_seq = vec![usize::MAX; t];
         for (si, s) in self.seqs.iter().enumerate() {
             row_seq[s.q_start..s.q_start + s.q_len].fill(si);
         }
-        out.par_chunks_mut(hd).enumerate().for_each(|(task, o)| {
-            let (row, h) = (task / nh, task % nh);
+        let optr = OutPtr(out.as_mut_ptr());
+        let task = |task: usize| {
+            let (row, kvh) = (task / nkv, task % nkv);
             let si = row_seq[row];
             if si == usize::MAX {
                 return;
             }
             let s = &self.seqs[si];
-            let qi = row - s.q_start;
-            let (lo, hi) = self.visible(s, qi);
+            let (lo, hi) = self.visible(s, row - s.q_start);
             if lo >= hi {
                 return;
             }
-            let qv = &q[(row * nh + h) * hd..(row * nh + h + 1) * hd];
-            let kvh = h / group;
-            let mut scores = Vec::with_capacity(hi - lo);
-            let mut m = f32::NEG_INFINITY;
-            for p in lo..hi {
-                let slot = s.block_table[p / self.block_size] as usize * self.block_size
-                    + p % self.block_size;
-                let off = slot * kv_dim + kvh * hd;
-                let sc = dot(qv, &kc[off..off + hd]) * self.scale;
-                m = m.max(sc);
-                scores.push(sc);
+            let len = hi - lo;
+            let h0 = kvh * group;
+            let qrow = &q[(row * nh + h0) * hd..(row * nh + h0 + group) * hd];
+            // Offsets of this kv head's key/value rows for positions lo..hi.
+            let mut offs = Vec::with_capacity(len);
+            self.for_slots(s, lo, hi, |_, slot| offs.push(slot * kv_dim + kvh * hd));
+            // scores[g * len + i] for head h0 + g and position lo + i.
+            let mut scores = vec![0f32; group * len];
+            let simd = simd::available() && hd.is_multiple_of(32);
+            if simd {
+                // SAFETY: AVX2/FMA present; offsets index whole rows of the caches.
+                unsafe { simd::scores(qrow, hd, kc, &offs, self.scale, &mut scores) };
+            } else {
+                for (i, &off) in offs.iter().enumerate() {
+                    let k = &kc[off..off + hd];
+                    for g in 0..group {
+                        scores[g * len + i] = dot(&qrow[g * hd..(g + 1) * hd], k) * self.scale;
+                    }
+                }
             }
-            let mut l = 0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - m).exp();
-                l += *sc;
+            for sc in scores.chunks_mut(len) {
+                let m = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let mut l = 0f32;
+                for v in sc.iter_mut() {
+                    *v = (*v - m).exp();
+                    l += *v;
+                }
+                let inv = 1.0 / l;
+                sc.iter_mut().for_each(|v| *v *= inv);
             }
-            let inv = 1.0 / l;
-            for (i, p) in (lo..hi).enumerate() {
-                let slot = s.block_table[p / self.block_size] as usize * self.block_size
-                    + p % self.block_size;
-                let off = slot * kv_dim + kvh * hd;
-                axpy(o, scores[i] * inv, &vc[off..off + hd]);
+            // SAFETY: rows `row`, heads h0..h0 + group are written by this task only.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(optr.get().add((row * nh + h0) * hd), group * hd)
+            };
+            if simd {
+                // SAFETY: as above.
+                unsafe { simd::weighted_sum(&scores, hd, vc, &offs, o) };
+            } else {
+                for (i, &off) in offs.iter().enumerate() {
+                    let v = &vc[off..off + hd];
+                    for g in 0..group {
+                        axpy(&mut o[g * hd..(g + 1) * hd], scores[g * len + i], v);
+                    }
+                }
             }
-        });
+        };
+        crate::kernels::pool::run(t * nkv, &task);
         Ok((CpuStorage::F32(out), Shape::from((t, nh * hd))))
+    }
+}
+
+/// AVX2/FMA inner loops with many independent accumulators (the scalar loops above are
+/// one dependent FMA chain per dot product). Need `head_dim` to be a multiple of 32.
+mod simd {
+    pub fn available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub unsafe fn scores(_: &[f32], _: usize, _: &[f32], _: &[usize], _: f32, _: &mut [f32]) {
+        unreachable!("no SIMD attention on this architecture")
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub unsafe fn weighted_sum(_: &[f32], _: usize, _: &[f32], _: &[usize], _: &mut [f32]) {
+        unreachable!("no SIMD attention on this architecture")
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub use x86::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::needless_range_loop)]
+    mod x86 {
+        use std::arch::x86_64::*;
+
+        #[inline(always)]
+        unsafe fn hsum(v: __m256) -> f32 {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+        }
+
+        /// `scores[g * len + i] = scale * q_g · k[offs[i]..]` for the heads of `q`
+        /// (`group * hd` values), 8 positions at a time (8 independent accumulators).
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn scores(
+            q: &[f32],
+            hd: usize,
+            kc: &[f32],
+            offs: &[usize],
+            scale: f32,
+            scores: &mut [f32],
+        ) {
+            let len = offs.len();
+            let group = q.len() / hd;
+            let kp = kc.as_ptr();
+            for g in 0..group {
+                let qg = q.as_ptr().add(g * hd);
+                let mut i = 0;
+                while i < len {
+                    let n = (len - i).min(8);
+                    let rows: [*const f32; 8] =
+                        std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+                    let mut acc = [_mm256_setzero_ps(); 8];
+                    for c in (0..hd).step_by(8) {
+                        let qv = _mm256_loadu_ps(qg.add(c));
+                        for j in 0..8 {
+                            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j].add(c)), acc[j]);
+                        }
+                    }
+                    for j in 0..n {
+                        scores[g * len + i + j] = hsum(acc[j]) * scale;
+                    }
+                    i += n;
+                }
+            }
+        }
+
+        /// `o_g += sum_i w[g * len + i] * v[offs[i]..]` for every head g of `o`.
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn weighted_sum(
+            w: &[f32],
+            hd: usize,
+            vc: &[f32],
+            offs: &[usize],
+            o: &mut [f32],
+        ) {
+            let len = offs.len();
+            let group = o.len() / hd;
+            let vp = vc.as_ptr();
+            for g in 0..group {
+                let wg = &w[g * len..(g + 1) * len];
+                for c in (0..hd).step_by(32) {
+                    let op = o.as_mut_ptr().add(g * hd + c);
+                    let mut acc: [__m256; 4] =
+                        std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
+                    for (i, &off) in offs.iter().enumerate() {
+                        let wv = _mm256_set1_ps(wg[i]);
+                        let v = vp.add(off + c);
+                        for j in 0..4 {
+                            acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
+                        }
+                    }
+                    for j in 0..4 {
+                        _mm256_storeu_ps(op.add(8 * j), acc[j]);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -223,9 +386,15 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
+    /// `hd` 16: scalar loops; 64: the SIMD ones (3 query heads per kv head).
     fn check(causal: bool, window: Option<usize>) {
+        check_shape(causal, window, 4, 2, 16);
+        check_shape(causal, window, 6, 2, 64);
+    }
+
+    fn check_shape(causal: bool, window: Option<usize>, nh: usize, nkv: usize, hd: usize) {
         let dev = Device::Cpu;
-        let (nh, nkv, hd, bs) = (4, 2, 16, 4);
+        let bs = 4;
         let slots = 64;
         let kc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();
         let vc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();

@@ -9,7 +9,7 @@
 //! rows of the LM head) still can.
 
 use super::config::Activation;
-use crate::kernels::{matmul_many, QMatrix, QType};
+use crate::kernels::{matmul_many, vnni::Packed, Isa, QMatrix, QType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{
     CpuStorage, CustomOp1, DType, Device, Layout, Module, Result, Shape, Storage, Tensor,
@@ -27,6 +27,32 @@ struct KernelOp {
     ty: QType,
     n: usize,
     k: usize,
+    /// The same weights repacked for the AVX-512 VNNI kernels, on CPUs that have them
+    /// (a second copy of this matrix in memory).
+    packed: Option<Packed>,
+}
+
+impl KernelOp {
+    fn new(w: Arc<QTensor>, ty: QType, n: usize, k: usize) -> Self {
+        let packed = if Isa::detect() == Isa::Avx512Vnni && Packed::supports(ty, n, k) {
+            w.data().ok().and_then(|d| Packed::new(ty, n, k, &d).ok())
+        } else {
+            None
+        };
+        Self {
+            w,
+            ty,
+            n,
+            k,
+            packed,
+        }
+    }
+
+    fn matrix<'a>(&'a self, data: &'a [u8]) -> Result<QMatrix<'a>> {
+        Ok(QMatrix::new(self.ty, self.n, self.k, data)
+            .map_err(candle_core::Error::msg)?
+            .with_packed(self.packed.as_ref()))
+    }
 }
 
 fn log_fallback(dtype: GgmlDType) {
@@ -44,12 +70,9 @@ impl Linear {
             QMatMul::QTensor(q) if q.device().is_cpu() => {
                 let dt = q.dtype();
                 match (QType::from_ggml(dt), q.shape().dims2()) {
-                    (Some(ty), Ok((n, k))) if k.is_multiple_of(ty.block_size()) => Some(KernelOp {
-                        w: q.clone(),
-                        ty,
-                        n,
-                        k,
-                    }),
+                    (Some(ty), Ok((n, k))) if k.is_multiple_of(ty.block_size()) => {
+                        Some(KernelOp::new(q.clone(), ty, n, k))
+                    }
                     _ => {
                         log_fallback(dt);
                         None
@@ -143,16 +166,30 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
     };
     const PAR: usize = 1 << 16;
     if g.len() >= 2 * PAR {
-        use rayon::prelude::*;
-        g.par_chunks_mut(PAR / 2)
-            .zip(u.par_chunks(PAR / 2))
-            .for_each(|(g, u)| f(g, u));
+        let chunks = g.len().div_ceil(PAR / 2);
+        let (gp, len) = (GluPtr(g.as_mut_ptr()), g.len());
+        crate::kernels::pool::run(chunks, &|c| {
+            let (a, b) = (c * PAR / 2, ((c + 1) * PAR / 2).min(len));
+            // SAFETY: chunk c covers a..b of `g` only.
+            let g = unsafe { std::slice::from_raw_parts_mut(gp.get().add(a), b - a) };
+            f(g, &u[a..b])
+        });
     } else {
         f(&mut g, &u);
     }
     let mut shape = dims;
     *shape.last_mut().expect("rank >= 1") = gate.kernel.as_ref().map_or(0, |o| o.n);
     Tensor::from_vec(g, shape, &Device::Cpu)
+}
+
+struct GluPtr(*mut f32);
+// SAFETY: the tasks write disjoint chunks.
+unsafe impl Send for GluPtr {}
+unsafe impl Sync for GluPtr {}
+impl GluPtr {
+    fn get(&self) -> *mut f32 {
+        self.0
+    }
 }
 
 /// The kernel path of [`forward_many`]: the outputs as vectors and the input's dims, or None
@@ -187,7 +224,7 @@ fn kernel_many(ls: &[&Linear], x: &Tensor) -> Result<Option<(Vec<Vec<f32>>, Vec<
     let ws = ops
         .iter()
         .zip(&datas)
-        .map(|(o, d)| QMatrix::new(o.ty, o.n, o.k, d).map_err(candle_core::Error::msg))
+        .map(|(o, d)| o.matrix(d))
         .collect::<Result<Vec<_>>>()?;
     let mut outs: Vec<Vec<f32>> = ops.iter().map(|o| vec![0f32; m * o.n]).collect();
     {
@@ -226,7 +263,7 @@ impl CustomOp1 for KernelOp {
         }
         let m = x.len() / self.k;
         let data = self.w.data()?;
-        let w = QMatrix::new(self.ty, self.n, self.k, &data).map_err(candle_core::Error::msg)?;
+        let w = self.matrix(&data)?;
         let mut out = vec![0f32; m * self.n];
         w.matmul(x, m, &mut out);
         let mut shape = dims.to_vec();

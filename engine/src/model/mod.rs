@@ -9,6 +9,7 @@
 pub mod attention;
 pub mod config;
 pub mod linear;
+pub mod ops;
 pub mod weights;
 
 use crate::kv::KvCache;
@@ -232,10 +233,8 @@ impl Model {
                 q = candle_nn::ops::rms_norm(&q, qn, eps)?;
                 k = candle_nn::ops::rms_norm(&k, kn, eps)?;
             }
-            let q = candle_nn::rotary_emb::rope_thd(&q.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope_thd(&k.unsqueeze(0)?.contiguous()?, cos, sin)?
-                .reshape((t, kv_dim))?;
+            let q = ops::rope_thd(&q, cos, sin)?;
+            let k = ops::rope_thd(&k, cos, sin)?.reshape((t, kv_dim))?;
             kv.k[li].scatter_set(&slot_idx, &k, 0)?;
             kv.v[li].scatter_set(&slot_idx, &v.contiguous()?, 0)?;
             let attn = PagedAttention {
