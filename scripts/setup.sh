@@ -23,12 +23,16 @@ step "llama.cpp peer"
 scripts/setup-peer.sh
 
 step "llama.cpp references"
+# Default llama.cpp (f16 KV cache) and, as the noise floor, llama.cpp with an f32 KV cache.
 for m in SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-Q4_K_M; do
-  if [ ! -s "$CACHE/reference/$m.json" ]; then
-    "$PY" tests/peer/reference.py --model "$CACHE/models/$m.gguf"
-  else
-    echo "reference $m present"
-  fi
+  for kv in f16 f32; do
+    suffix=""; [ "$kv" = f16 ] || suffix=".kv-$kv"
+    if [ ! -s "$CACHE/reference/$m$suffix.json" ]; then
+      "$PY" tests/peer/reference.py --model "$CACHE/models/$m.gguf" --kv-type "$kv"
+    else
+      echo "reference $m$suffix present"
+    fi
+  done
 done
 
 step "prometheus (tests/otel)"

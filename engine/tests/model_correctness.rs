@@ -55,16 +55,49 @@ fn agreement(path: &Path) -> (usize, usize, f64) {
     (agree, total, worst_margin)
 }
 
-/// Top-1 agreement with llama.cpp, and every disagreement a near-tie in llama.cpp's own
-/// logits. Two correct engines that quantise activations differently disagree on ~3% of
-/// positions here (this engine's quantised and f32-dequantised paths do too; see
-/// docs/benchmarks.md), so the margin bound is what catches a real model bug: a wrong
-/// RoPE, norm or attention flips confident predictions.
+/// llama.cpp's top-1 agreement with itself: its default run (f16 KV cache) against the same
+/// texts with an f32 KV cache.
+fn llama_cpp_self_agreement(path: &Path) -> (usize, usize) {
+    let a = common::reference(path);
+    let b = common::reference_variant(path, ".kv-f32", " --kv-type f32");
+    let (mut agree, mut total) = (0, 0);
+    for (sa, sb) in a["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(b["sequences"].as_array().unwrap())
+    {
+        assert_eq!(
+            sa["tokens"], sb["tokens"],
+            "the two references tokenise alike"
+        );
+        let (ta, tb) = (
+            sa["top1"].as_array().unwrap(),
+            sb["top1"].as_array().unwrap(),
+        );
+        total += ta.len();
+        agree += ta.iter().zip(tb).filter(|(x, y)| x == y).count();
+    }
+    (agree, total)
+}
+
+/// Top-1 agreement with llama.cpp at least as high as llama.cpp's agreement with itself
+/// when only its KV-cache precision changes (minus half a point), and every disagreement a
+/// near-tie in llama.cpp's own logits. Near-ties are common in teacher-forced text for these
+/// small models, so any change in rounding flips a few percent of them: llama.cpp f16 vs
+/// f32 KV agree on ~97 % (docs/benchmarks.md). The margin bound is what catches a real
+/// model bug: a wrong RoPE, norm or attention flips confident predictions.
 fn check_agreement(name: &str, path: &Path) {
     let (agree, total, worst) = agreement(path);
     let rate = agree as f64 / total as f64;
-    println!("{name}: top-1 agreement with llama.cpp {agree}/{total} = {rate:.4}; largest llama.cpp margin among disagreements {worst:.3}");
+    let (sa, st) = llama_cpp_self_agreement(path);
+    let self_rate = sa as f64 / st as f64;
+    println!("{name}: top-1 agreement with llama.cpp {agree}/{total} = {rate:.4}; llama.cpp f16 vs f32 KV cache {sa}/{st} = {self_rate:.4}; largest llama.cpp margin among disagreements {worst:.3}");
     assert!(total >= 2000, "reference has only {total} positions");
+    assert!(
+        rate >= self_rate - 0.005,
+        "{name}: top-1 agreement {rate:.4} below llama.cpp's own f16-vs-f32 agreement {self_rate:.4} - 0.005"
+    );
     assert!(rate >= 0.96, "{name}: top-1 agreement {rate:.4} < 0.96");
     assert!(
         worst < 1.5,

@@ -13,6 +13,9 @@ Usage:
       [--out FILE.json]         default: $DSPARK_CACHE/reference/<model file stem>.json
       [--min-positions 2000]    fail if the set yields fewer positions
       [--max-len 256] [--threads 2] [--prompts tests/peer/prompts.jsonl]
+      [--kv-type f16|f32] [--flash-attn]   llama.cpp's own variants; the default file name
+                                gets ".kv-f32" / ".fa" (the agreement test compares this
+                                engine's agreement with llama.cpp's agreement with itself)
 Needs llama-cpp-python (scripts/setup-peer.sh) and numpy (its dependency).
 
 Prompt set (tests/peer/prompts.jsonl, 40 records, one JSON object per line; fields "id",
@@ -142,6 +145,9 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--kv-type", choices=["f16", "f32"], default="f16",
+                    help="llama.cpp KV cache type (f16 is llama.cpp's default)")
+    ap.add_argument("--flash-attn", action="store_true", help="llama.cpp flash attention")
     args = ap.parse_args()
 
     # OpenMP threads that spin at barriers collapse when the 2 cores are shared with other
@@ -152,12 +158,16 @@ def main() -> int:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     model_path = os.path.abspath(args.model)
-    out = args.out or str(cache / "reference" / (Path(model_path).stem + ".json"))
+    suffix = "" if args.kv_type == "f16" and not args.flash_attn else (
+        f".kv-{args.kv_type}" + (".fa" if args.flash_attn else ""))
+    out = args.out or str(cache / "reference" / (Path(model_path).stem + suffix + ".json"))
     t0 = time.time()
     print(f"[reference] model {model_path}", flush=True)
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[args.kv_type]
     llm = Llama(model_path=model_path, logits_all=True, n_ctx=max(512, args.max_len),
                 n_threads=args.threads, n_threads_batch=args.threads, n_batch=512,
-                n_ubatch=512, seed=0, verbose=False)
+                n_ubatch=512, seed=0, verbose=False, flash_attn=args.flash_attn,
+                type_k=kv_type, type_v=kv_type)
     md = dict(llm.metadata)
     add_bos = bool(llm._model.add_bos_token())
     bos_id, eos_id = llm.token_bos(), llm.token_eos()
@@ -237,6 +247,7 @@ def main() -> int:
         "model": os.path.basename(model_path),
         "model_sha256": sha256_file(model_path),
         "llama_cpp_version": llama_cpp.__version__,
+        "kv_type": args.kv_type, "flash_attn": args.flash_attn,
         "architecture": md.get("general.architecture"),
         "add_bos": add_bos,
         "bos_id": bos_id, "eos_id": eos_id, "n_vocab": llm.n_vocab(),

@@ -29,19 +29,31 @@ pub fn gemma3() -> PathBuf {
 }
 
 pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
+    reference_variant(model_file, "", "")
+}
+
+/// A reference of llama.cpp in another configuration: `suffix` ".kv-f32" was made with
+/// `reference.py --kv-type f32` (`args`).
+pub fn reference_variant(
+    model_file: &std::path::Path,
+    suffix: &str,
+    args: &str,
+) -> serde_json::Value {
     let name = model_file
         .file_name()
         .unwrap()
         .to_string_lossy()
         .to_string();
-    let p = cache_dir().join("reference").join(format!("{name}.json"));
+    let p = cache_dir()
+        .join("reference")
+        .join(format!("{name}{suffix}.json"));
     let alt = cache_dir()
         .join("reference")
-        .join(format!("{}.json", name.trim_end_matches(".gguf")));
+        .join(format!("{}{suffix}.json", name.trim_end_matches(".gguf")));
     let p = if p.exists() { p } else { alt };
     let text = std::fs::read_to_string(&p).unwrap_or_else(|e| {
         panic!(
-            "llama.cpp reference {} is missing ({e}): run `python3 tests/peer/reference.py --model {}` (make test does)",
+            "llama.cpp reference {} is missing ({e}): run `python3 tests/peer/reference.py --model {}{args}` (make test does)",
             p.display(),
             model_file.display()
         )
