@@ -12,6 +12,7 @@ empty context: t/s / B).
 """
 import json
 import os
+import re
 import sys
 
 
@@ -20,7 +21,21 @@ def load(path):
         return json.load(f)
 
 
-def sps_points(path):
+def sps_points(path, log=None, section=None):
+    """Raw measured SPS(B) from the profile's log lines under `section` (the cost table
+    JSON is made non-increasing by a running minimum, which hides noisy points); the JSON
+    when there is no log."""
+    if log and os.path.exists(log):
+        pts, on = {}, False
+        for line in open(log):
+            if line.startswith("=="):
+                on = section in line
+                continue
+            m = re.match(r"\s*B=\s*(\d+)\s+([\d.]+) steps/s", line)
+            if on and m:
+                pts[int(m.group(1))] = float(m.group(2))
+        if pts:
+            return pts
     t = load(path)
     return {int(b): float(s) for b, s in t["points"]}
 
@@ -37,8 +52,9 @@ def fmt(x, nd=1):
 def main():
     root = sys.argv[1]
     ds, lc = os.path.join(root, "dspark"), os.path.join(root, "llamacpp")
-    dec = sps_points(os.path.join(ds, "sps-decode.json"))
-    ver = sps_points(os.path.join(ds, "sps-verify.json"))
+    dlog = os.path.join(root, "dspark.log")
+    dec = sps_points(os.path.join(ds, "sps-decode.json"), dlog, "decode steps")
+    ver = sps_points(os.path.join(ds, "sps-verify.json"), dlog, "verify-shaped")
     peer = load(os.path.join(lc, "bench-summary.json"))
     pp = {int(b): v / int(b) for b, v in peer["pp_ts"].items()}
     bb = {int(b): v / int(b) for b, v in peer["batched_tg_ts"].items()}
@@ -69,7 +85,8 @@ def main():
     for b in bs:
         p(f"| {b} | {fmt(dec.get(b))} | {fmt(ver.get(b))} | {fmt(bb.get(b))} | {fmt(pp.get(b))} |")
     p("\n*verify rows: B counts new tokens; the profile runs ceil(B/4) sequences of 4 tokens.\n")
-    for name, t in (("dspark decode", dec), ("llama-batched-bench", bb), ("llama-bench pp", pp)):
+    for name, t in (("dspark decode", dec), ("dspark verify", ver), ("llama-batched-bench", bb),
+                    ("llama-bench pp", pp)):
         if t.get(1) and t.get(4):
             p(f"- SPS(4)/SPS(1), {name}: {t[4] / t[1]:.2f}")
     p("\n### Total throughput, closed loop, 128 output tokens per request\n")

@@ -176,6 +176,7 @@ impl CostTables {
             CostTableSource::Default,
             CostTableSource::File,
             CostTableSource::Admin,
+            CostTableSource::StartupProfile,
         ] {
             m.cost_table_source
                 .get_or_create(&crate::metrics::SourceLabel {
@@ -192,6 +193,7 @@ pub fn source_name(s: CostTableSource) -> &'static str {
         CostTableSource::Default => "default",
         CostTableSource::File => "file",
         CostTableSource::Admin => "admin",
+        CostTableSource::StartupProfile => "startup_profile",
     }
 }
 

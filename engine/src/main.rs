@@ -127,6 +127,10 @@ struct ServeArgs {
     /// Without one the built-in conservative default is used until one is pushed.
     #[arg(long, env = "DSPARK_COST_TABLE")]
     cost_table: Option<PathBuf>,
+    /// Without --cost-table, measure SPS(B) on this machine at start-up (a few seconds) for
+    /// the dspark policy instead of starting on the built-in default table.
+    #[arg(long, env = "DSPARK_STARTUP_PROFILE", default_value_t = true, action = clap::ArgAction::Set)]
+    startup_profile: bool,
     /// Port of the admin API (cost-table push, state), on --host; needs a token.
     #[arg(long)]
     admin_port: Option<u16>,
@@ -208,6 +212,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         show_progress: true,
         drafter: a.drafter.clone(),
         cost_table: a.cost_table.clone(),
+        startup_profile: a.startup_profile,
     })?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -95,6 +95,44 @@ pub struct AppOptions {
     /// SPS(B) cost table file, hot-reloaded; without it the built-in default is used until
     /// one is pushed over the admin API.
     pub cost_table: Option<std::path::PathBuf>,
+    /// Without `cost_table`, measure SPS(B) at start-up (a few seconds) instead of starting
+    /// on the built-in default; only for the dspark policy, the one that reads the table.
+    pub startup_profile: bool,
+}
+
+/// Measures a small SPS(B) table on the serving model and KV cache (verify-shaped steps:
+/// sequences of up to 4 new tokens after a 64-token context, B = 1..32) and installs it.
+fn startup_profile(
+    model: &Model,
+    kv: &mut crate::kv::KvCache,
+    costs: &crate::cost::CostTables,
+    device: &str,
+) -> Result<()> {
+    use crate::profile::{cost_table, log_grid, measure, ProfileOptions};
+    let t0 = std::time::Instant::now();
+    let opts = ProfileOptions {
+        grid: log_grid(32, 2),
+        context: 64,
+        tokens_per_seq: 4,
+        max_reps: 8,
+        ..Default::default()
+    };
+    let points = measure(model, kv, &opts, &mut |_| {}).context("start-up profile")?;
+    let table = cost_table(model, device, None, None, &points);
+    let active = costs
+        .install(
+            &table.to_json_pretty(),
+            dspark_types::CostTableSource::StartupProfile,
+        )
+        .map_err(|e| anyhow::anyhow!("start-up profile made an unusable table: {e}"))?;
+    tracing::info!(
+        seconds = format!("{:.1}", t0.elapsed().as_secs_f64()),
+        sps1 = format!("{:.1}", active.sps(1)),
+        sps4 = format!("{:.1}", active.sps(4)),
+        sps16 = format!("{:.1}", active.sps(16)),
+        "measured the SPS(B) cost table at start-up (give --cost-table to skip)"
+    );
+    Ok(())
 }
 
 /// Builds the model drafter that `speculation` needs, if any.
@@ -159,7 +197,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     use std::sync::Arc;
     let device = device(&opts.device)?;
     let (model, tok) = load(&opts.model, &device, opts.show_progress)?;
-    let kv = KvCache::new(
+    let mut kv = KvCache::new(
         model.cfg.num_layers,
         model.cfg.kv_dim(),
         opts.kv_cache_mb * 1024 * 1024,
@@ -190,6 +228,10 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     ));
     if let Some(p) = &opts.cost_table {
         costs.watch_file(p, std::time::Duration::from_secs(1))?;
+    } else if opts.startup_profile
+        && matches!(opts.engine.policy, crate::spec::VerifyPolicy::Dspark { .. })
+    {
+        startup_profile(&model, &mut kv, &costs, &device_name(&device))?;
     }
     let summary = format!(
         "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB = {} tokens in {} blocks | max sequence {} tokens",

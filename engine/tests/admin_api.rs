@@ -21,6 +21,10 @@ struct Engine {
 }
 
 fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
+    spawn_with(speculation, policy, false)
+}
+
+fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: bool) -> Engine {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -37,6 +41,7 @@ fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
         show_progress: false,
         drafter: None,
         cost_table: None,
+        startup_profile,
     })
     .expect("engine starts");
     Engine {
@@ -216,4 +221,46 @@ fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
     // Unverified n-gram drafts are still scored against the committed tokens.
     let live = metric(&m, "dspark_spec_decode_live_acceptance_rate");
     assert!(live > 0.0 && live < 1.0, "{m}");
+}
+
+/// Without a cost table, the dspark policy starts on a table measured on this machine:
+/// source `startup_profile`, revision 1, decreasing SPS(B) that is not the built-in formula.
+#[test]
+fn startup_profile_installs_a_measured_table() {
+    let e = spawn_with(Speculation::Ngram, VerifyPolicy::Dspark { gamma: 4 }, true);
+    let (code, st) = admin(&e, "GET", "/admin/v1/state", Some(TOKEN), "");
+    assert_eq!(code, 200, "{st}");
+    assert_eq!(st["cost_table_source"], "startup_profile", "{st}");
+    assert_eq!(st["cost_table_revision"], 1, "{st}");
+    let (code, t) = admin(&e, "GET", "/admin/v1/cost-table", Some(TOKEN), "");
+    assert_eq!(code, 200, "{t}");
+    let pts: Vec<(u64, f64)> = t["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap()))
+        .collect();
+    assert_eq!(pts.first().map(|p| p.0), Some(1), "{t}");
+    assert_eq!(pts.last().map(|p| p.0), Some(32), "{t}");
+    assert!(
+        pts.windows(2).all(|w| w[1].1 <= w[0].1),
+        "SPS non-increasing: {pts:?}"
+    );
+    // The built-in default is SPS(B) = 100 / (1 + (B - 1) / 2): a measured table differs.
+    assert!(
+        pts.iter()
+            .any(|&(b, s)| (s - 100.0 / (1.0 + (b as f64 - 1.0) / 2.0)).abs() > 1e-6),
+        "{pts:?}"
+    );
+    let m = metrics_text(&e);
+    assert_eq!(
+        metric(
+            &m,
+            "dspark_cost_table_source{model_name=\"smollm2\",source=\"startup_profile\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    let (text, _) = complete(&e);
+    assert!(!text.is_empty());
 }

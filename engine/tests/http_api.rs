@@ -22,6 +22,7 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         show_progress: false,
         drafter: None,
         cost_table: None,
+        startup_profile: false,
     })
     .expect("engine starts");
     common::serve(dspark_engine::server::router(state))

@@ -55,6 +55,7 @@ fn run(
         show_progress: false,
         drafter: None,
         cost_table: None,
+        startup_profile: false,
     })
     .unwrap();
     let mut rxs = Vec::new();

@@ -122,6 +122,8 @@ def engine():
     proc = subprocess.Popen(
         [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
          "--admin-port", str(admin_port), "--speculation", "ngram", "--policy", "dspark",
+         # The built-in default table until the test pushes one (the alert timeline).
+         "--startup-profile", "false",
          "--kv-cache-mb", "128", "--max-model-len", "2048", "--threads", "1"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )

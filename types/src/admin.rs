@@ -12,6 +12,8 @@ pub enum CostTableSource {
     File,
     /// Pushed over the admin API.
     Admin,
+    /// Measured by the engine itself at start-up (no table was given; `--startup-profile`).
+    StartupProfile,
 }
 
 /// Answer of `GET /admin/v1/state`.
