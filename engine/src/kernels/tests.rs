@@ -224,6 +224,29 @@ fn odd_shapes_and_parallel_chunks() {
 }
 
 #[test]
+fn q8_quantisation_simd_equals_scalar() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for blocks in [1, 3, 18, 48] {
+        let mut x = random(blocks * QK, &mut rng);
+        x[5] = 0.0;
+        if blocks > 2 {
+            x[QK..2 * QK].fill(0.0); // an all-zero block
+        }
+        let mut a = vec![Q8Block::default(); blocks];
+        let mut b = vec![Q8Block::default(); blocks];
+        quantize_q8(&x, &mut a);
+        super::q8::quantize_q8_scalar(&x, &mut b);
+        for (a, b) in a.iter().zip(&b) {
+            assert_eq!((a.qs, a.isum), (b.qs, b.isum));
+            assert_eq!(
+                (a.d.to_bits(), a.s.to_bits()),
+                (b.d.to_bits(), b.s.to_bits())
+            );
+        }
+    }
+}
+
+#[test]
 fn q8_quantisation_follows_ggml() {
     // amax 127 -> d = 1, id = 1: halves round to even like _mm256_round_ps.
     let mut x = vec![0f32; 32];
