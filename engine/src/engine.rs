@@ -204,7 +204,15 @@ pub struct Engine {
     costs: Arc<CostTables>,
     /// Live per-position acceptance, the confidences of drafters without a confidence head.
     acceptance: AcceptanceStats,
+    /// Seconds per model-drafter call (moving average), for the drafting gate.
+    draft_secs: f64,
+    /// Steps in a row the gate skipped the drafter; every `DRAFT_PROBE`-th runs it anyway
+    /// so the acceptance estimates keep up.
+    draft_skips_in_row: usize,
 }
+
+/// See `draft_skips_in_row`.
+const DRAFT_PROBE: usize = 16;
 
 /// A model drafter with its own context KV cache (fed with the target's hidden states).
 pub struct Drafter {
@@ -245,6 +253,8 @@ impl Engine {
                 drafter: None,
                 costs,
                 acceptance: AcceptanceStats::new(64, 200.0),
+                draft_secs: 0.0,
+                draft_skips_in_row: 0,
             },
             handle,
         )
@@ -631,6 +641,25 @@ impl Engine {
                 who.push((i, g));
             }
         }
+        if matches!(self.cfg.policy, VerifyPolicy::Dspark { .. }) && !who.is_empty() {
+            // The dspark policy's objective with the drafter's own time: skip the drafter
+            // while its live acceptance cannot pay for it (plain decoding, still lossless).
+            let rates: Vec<f32> = (0..gamma).map(|k| self.acceptance.rate(k)).collect();
+            let table = self.costs.current();
+            let pays = crate::spec::scheduler::drafting_pays(
+                &rates,
+                who.len(),
+                gamma,
+                self.draft_secs,
+                &|b| table.sps(b),
+            );
+            if !pays && self.draft_skips_in_row + 1 < DRAFT_PROBE {
+                self.draft_skips_in_row += 1;
+                self.metrics.draft_skips.inc();
+                return Ok(out);
+            }
+            self.draft_skips_in_row = 0;
+        }
         let d = self.drafter.as_mut().expect("checked");
         // Blocks must cover the draft positions; a sequence the drafter cache cannot hold
         // just decodes without drafting this step.
@@ -661,7 +690,14 @@ impl Engine {
                 rng: &mut s.rng,
             })
             .collect();
+        let t0 = std::time::Instant::now();
         let blocks = d.model.propose(&mut d.kv, &self.model, &mut reqs)?;
+        let dt = t0.elapsed().as_secs_f64();
+        self.draft_secs = if self.draft_secs == 0.0 {
+            dt
+        } else {
+            0.9 * self.draft_secs + 0.1 * dt
+        };
         for ((i, _), b) in who.into_iter().zip(blocks) {
             out.insert(
                 i,

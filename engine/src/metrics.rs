@@ -90,6 +90,7 @@ pub struct Metrics {
     pub steps: Counter,
     pub preemptions: Counter,
     pub spec_drafts: Counter,
+    pub draft_skips: Counter,
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
     pub spec_accepted_per_pos: Family<PositionLabel, Counter>,
@@ -145,6 +146,7 @@ impl Metrics {
             steps: Counter::default(),
             preemptions: Counter::default(),
             spec_drafts: Counter::default(),
+            draft_skips: Counter::default(),
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
             spec_accepted_per_pos: Family::default(),
@@ -233,6 +235,11 @@ impl Metrics {
             "dspark_spec_decode_num_drafts",
             "Draft blocks proposed",
             m.spec_drafts.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_draft_skipped_steps",
+            "Steps where the dspark policy did not run the model drafter (expected not to pay)",
+            m.draft_skips.clone(),
         );
         r.register(
             "dspark_spec_decode_num_draft_tokens",

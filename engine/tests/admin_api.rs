@@ -264,3 +264,31 @@ fn startup_profile_installs_a_measured_table() {
     let (text, _) = complete(&e);
     assert!(!text.is_empty());
 }
+
+/// The dspark policy does not run a drafter that cannot pay for itself: an untrained model
+/// drafter (acceptance ~0) is skipped on most steps (probed every 16th), and the output stays
+/// identical to plain decoding.
+#[test]
+fn the_dspark_policy_skips_a_drafter_that_does_not_pay() {
+    let plain = spawn(Speculation::None, VerifyPolicy::Fixed { gamma: 4 });
+    let (expected, _) = complete(&plain);
+    let e = spawn_with(
+        Speculation::DSparkMarkov,
+        VerifyPolicy::Dspark { gamma: 4 },
+        true,
+    );
+    let (text, usage) = complete(&e);
+    assert_eq!(text, expected);
+    assert_eq!(usage["completion_tokens"], 24);
+    let m = metrics_text(&e);
+    let skipped = metric(
+        &m,
+        "dspark_spec_decode_draft_skipped_steps_total{model_name=\"smollm2\"}",
+    );
+    let drafts = metric(
+        &m,
+        "dspark_spec_decode_num_drafts_total{model_name=\"smollm2\"}",
+    );
+    assert!(skipped >= 12.0, "skipped {skipped} of ~24 steps\n{m}");
+    assert!(drafts >= 1.0 && drafts <= 6.0, "drafts {drafts}\n{m}");
+}

@@ -15,6 +15,41 @@
 //! DSpark paper's appendix gives a counterexample without it) and is what the paper does.
 //! Cost: one sort, O(N log N) in candidate tokens. Pure: no I/O, no state.
 
+/// Whether running a model drafter this step is expected to pay for itself: the scheduler's
+/// objective with the drafter's own time added. `rates[k]`: live conditional acceptance of
+/// position k; `n` decoding requests that would each verify up to `gamma` drafts;
+/// `t_draft`: seconds per drafter call; `sps`: the cost table. Compares the best uniform
+/// verify length against plain decoding (`n * SPS(n)` tokens/s). On a small target on a
+/// CPU a drafter forward costs a good part of a target step, so a weak drafter loses
+/// throughput unless this gate skips it.
+pub fn drafting_pays(
+    rates: &[f32],
+    n: usize,
+    gamma: usize,
+    t_draft: f64,
+    sps: &dyn Fn(usize) -> f64,
+) -> bool {
+    if n == 0 || gamma == 0 {
+        return false;
+    }
+    let plain = n as f64 * sps(n);
+    let (mut surv, mut tau) = (1.0f64, 1.0f64);
+    for k in 1..=gamma {
+        let r = rates.get(k - 1).copied().unwrap_or(0.5) as f64;
+        surv *= if r.is_finite() {
+            r.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        tau += surv;
+        let t = 1.0 / sps(n * (1 + k)) + t_draft.max(0.0);
+        if n as f64 * tau / t > plain {
+            return true;
+        }
+    }
+    false
+}
+
 /// The scheduler's choice for one step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Schedule {
@@ -98,6 +133,34 @@ pub fn schedule(
         b,
         tau,
         theta: best,
+    }
+}
+
+#[cfg(test)]
+mod gate_tests {
+    use super::drafting_pays;
+
+    #[test]
+    fn drafting_pays_when_acceptance_beats_the_drafter_cost() {
+        let flat = |_b: usize| 100.0; // verifying is free: only the drafter's time counts
+                                      // Plain: 1 token / 10 ms. Drafting 1 token at rate 0.5 costs 10 + 5 ms for 1.5
+                                      // tokens: equal, not better; at rate 0.6 it pays.
+        assert!(!drafting_pays(&[0.5], 1, 1, 0.005, &flat));
+        assert!(drafting_pays(&[0.6], 1, 1, 0.005, &flat));
+        // A free drafter with any acceptance pays on a flat table; none does not.
+        assert!(drafting_pays(&[0.05], 1, 4, 0.0, &flat));
+        assert!(!drafting_pays(&[0.0; 4], 1, 4, 0.0, &flat));
+        // Linear cost (SPS(B) = 100 / B): verifying k tokens costs k + 1 steps, so even
+        // near-perfect drafts cannot pay.
+        let linear = |b: usize| 100.0 / b as f64;
+        assert!(!drafting_pays(&[0.99; 7], 1, 7, 0.0, &linear));
+        // Hand-computed: SPS(1) = 150, SPS(3) = 120, t_draft = 2 ms, rates 0.6, 0.5:
+        // k=1: tau 1.6 / (1/SPS(2) + 0.002); k=2: tau 1.9 / (1/120 + 0.002) = 183.9 tok/s
+        // > 150 -> pays; with rates 0.3, 0.3 k=2 gives 1.39 / 0.010333 = 134.5 < 150.
+        let t = |b: usize| [0.0, 150.0, 130.0, 120.0][b.min(3)];
+        assert!(drafting_pays(&[0.6, 0.5], 1, 2, 0.002, &t));
+        assert!(!drafting_pays(&[0.3, 0.3], 1, 2, 0.002, &t));
+        assert!(!drafting_pays(&[0.9], 0, 2, 0.0, &t));
     }
 }
 
