@@ -304,11 +304,19 @@ mod simd {
     mod x86 {
         use std::arch::x86_64::*;
 
+        /// The 8 horizontal sums of `a[0..8]` as one vector (lane j = sum of `a[j]`).
         #[inline(always)]
-        unsafe fn hsum(v: __m256) -> f32 {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+        unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
+            let h01 = _mm256_hadd_ps(a[0], a[1]);
+            let h23 = _mm256_hadd_ps(a[2], a[3]);
+            let h45 = _mm256_hadd_ps(a[4], a[5]);
+            let h67 = _mm256_hadd_ps(a[6], a[7]);
+            // Per 128-bit half: [s0 s1 s2 s3] partial sums of rows 0-3 and of rows 4-7.
+            let q0 = _mm256_hadd_ps(h01, h23);
+            let q1 = _mm256_hadd_ps(h45, h67);
+            let lo = _mm256_permute2f128_ps(q0, q1, 0x20);
+            let hi = _mm256_permute2f128_ps(q0, q1, 0x31);
+            _mm256_add_ps(lo, hi)
         }
 
         /// `scores[g * len + i] = scale * q_g · k[offs[i]..]` for the heads of `q`
@@ -339,8 +347,13 @@ mod simd {
                             acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j].add(c)), acc[j]);
                         }
                     }
-                    for j in 0..n {
-                        scores[g * len + i + j] = hsum(acc[j]) * scale;
+                    let sums = _mm256_mul_ps(hsum8(&acc), _mm256_set1_ps(scale));
+                    if n == 8 {
+                        _mm256_storeu_ps(scores.as_mut_ptr().add(g * len + i), sums);
+                    } else {
+                        let mut tmp = [0f32; 8];
+                        _mm256_storeu_ps(tmp.as_mut_ptr(), sums);
+                        scores[g * len + i..g * len + i + n].copy_from_slice(&tmp[..n]);
                     }
                     i += n;
                 }
@@ -361,6 +374,25 @@ mod simd {
             let vp = vc.as_ptr();
             for g in 0..group {
                 let wg = &w[g * len..(g + 1) * len];
+                if hd.is_multiple_of(64) {
+                    // 8 independent accumulators (64 values) keep both FMA ports busy.
+                    for c in (0..hd).step_by(64) {
+                        let op = o.as_mut_ptr().add(g * hd + c);
+                        let mut acc: [__m256; 8] =
+                            std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
+                        for (i, &off) in offs.iter().enumerate() {
+                            let wv = _mm256_set1_ps(wg[i]);
+                            let v = vp.add(off + c);
+                            for j in 0..8 {
+                                acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
+                            }
+                        }
+                        for j in 0..8 {
+                            _mm256_storeu_ps(op.add(8 * j), acc[j]);
+                        }
+                    }
+                    continue;
+                }
                 for c in (0..hd).step_by(32) {
                     let op = o.as_mut_ptr().add(g * hd + c);
                     let mut acc: [__m256; 4] =
