@@ -5,7 +5,7 @@ markdown table and two PNGs.
 Usage: bench/compare.py RUN_DIR   (RUN_DIR has dspark/ from bench/engine.sh and llamacpp/
 from bench/peer-llamacpp.sh)
 
-SPS(B) rows: dspark `profile` (B sequences x 1 new token at context 256: a decode step;
+SPS(B) rows (median of bench/engine.sh's PROFILE_RUNS profile runs): dspark `profile` (B sequences x 1 new token at context 256: a decode step;
 and B sequences x 4 tokens: verify-shaped) against llama-batched-bench (B sequences x 1
 token after a 32-token prompt: S_TG / B) and llama-bench pp B (one sequence of B tokens at
 empty context: t/s / B).
@@ -13,6 +13,7 @@ empty context: t/s / B).
 import json
 import os
 import re
+import statistics
 import sys
 
 
@@ -22,20 +23,20 @@ def load(path):
 
 
 def sps_points(path, log=None, section=None):
-    """Raw measured SPS(B) from the profile's log lines under `section` (the cost table
-    JSON is made non-increasing by a running minimum, which hides noisy points); the JSON
-    when there is no log."""
+    """Raw measured SPS(B) from the profile's log lines under every `section` header (the
+    cost table JSON is made non-increasing by a running minimum, which hides noisy points),
+    the median over the runs; the JSON when there is no log."""
     if log and os.path.exists(log):
-        pts, on = {}, False
+        runs, on = {}, False
         for line in open(log):
             if line.startswith("=="):
                 on = section in line
                 continue
             m = re.match(r"\s*B=\s*(\d+)\s+([\d.]+) steps/s", line)
             if on and m:
-                pts[int(m.group(1))] = float(m.group(2))
-        if pts:
-            return pts
+                runs.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+        if runs:
+            return {b: statistics.median(v) for b, v in runs.items()}
     t = load(path)
     return {int(b): float(s) for b, s in t["points"]}
 
@@ -53,8 +54,8 @@ def main():
     root = sys.argv[1]
     ds, lc = os.path.join(root, "dspark"), os.path.join(root, "llamacpp")
     dlog = os.path.join(root, "dspark.log")
-    dec = sps_points(os.path.join(ds, "sps-decode.json"), dlog, "decode steps")
-    ver = sps_points(os.path.join(ds, "sps-verify.json"), dlog, "verify-shaped")
+    dec = sps_points(os.path.join(ds, "sps-decode-1.json"), dlog, "decode steps")
+    ver = sps_points(os.path.join(ds, "sps-verify-1.json"), dlog, "verify-shaped")
     peer = load(os.path.join(lc, "bench-summary.json"))
     pp = {int(b): v / int(b) for b, v in peer["pp_ts"].items()}
     bb = {int(b): v / int(b) for b, v in peer["batched_tg_ts"].items()}

@@ -12,10 +12,15 @@ DURATION="${DURATION:-30}"
 BIN="${DSPARK_ENGINE_BIN:-${CARGO_TARGET_DIR:-target}/release/dspark-engine}"
 OUT="${OUT_DIR:-${DSPARK_CACHE:-$HOME/.cache/dspark}/bench/engine-$(basename "$MODEL" .gguf)-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
-echo "== SPS(B): $BIN profile (decode steps: 1 token per sequence, context 256)"
-"$BIN" profile --model "$MODEL" --tokens-per-seq 1 --max-reps 20 --output "$OUT/sps-decode.json" 2>&1 | grep -E "B=|profiling"
-echo "== SPS(B): verify-shaped steps (4 tokens per sequence)"
-"$BIN" profile --model "$MODEL" --tokens-per-seq 4 --max-reps 20 --output "$OUT/sps-verify.json" 2>&1 | grep -E "B="
+# The profile runs PROFILE_RUNS times (default 3), alternating decode- and verify-shaped
+# steps, so that a burst of outside load hits one run, not one shape; bench/compare.py takes
+# the per-B median.
+for r in $(seq 1 "${PROFILE_RUNS:-3}"); do
+  echo "== SPS(B): $BIN profile (decode steps: 1 token per sequence, context 256), run $r"
+  "$BIN" profile --model "$MODEL" --tokens-per-seq 1 --max-reps 20 --output "$OUT/sps-decode-$r.json" 2>&1 | grep -E "B=|profiling"
+  echo "== SPS(B): verify-shaped steps (4 tokens per sequence), run $r"
+  "$BIN" profile --model "$MODEL" --tokens-per-seq 4 --max-reps 20 --output "$OUT/sps-verify-$r.json" 2>&1 | grep -E "B="
+done
 PORT=18123
 "$BIN" serve --model "$MODEL" --port "$PORT" --served-model-name bench "$@" >"$OUT/serve.log" 2>&1 &
 PID=$!
