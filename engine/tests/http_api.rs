@@ -341,13 +341,23 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
         let mut buf = [0u8; 64];
         use std::io::Read;
         r.read_exact(&mut buf).unwrap();
-        let text = client()
-            .get(format!("{}/metrics", s.base))
-            .send()
-            .unwrap()
-            .text()
-            .unwrap();
-        assert!(metric(&text, "dspark_kv_cache_usage_ratio") > 0.0);
+        // The request holds KV blocks while it streams (the gauge is published per engine
+        // step, which on a busy machine may come a little after the first bytes).
+        let mut used = 0.0;
+        for _ in 0..50 {
+            let text = client()
+                .get(format!("{}/metrics", s.base))
+                .send()
+                .unwrap()
+                .text()
+                .unwrap();
+            used = metric(&text, "dspark_kv_cache_usage_ratio");
+            if used > 0.0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(used > 0.0, "a streaming request holds no KV blocks");
     }
     let mut freed = false;
     for _ in 0..100 {

@@ -129,43 +129,24 @@ fn write_model(dir: &Path) -> HashMap<String, Tensor> {
     .unwrap();
     candle_core::safetensors::save(&hf, hf_dir.join("model.safetensors")).unwrap();
     for (file, dtype) in [("f32.gguf", GgmlDType::F32), ("q8_0.gguf", GgmlDType::Q8_0)] {
+        let u = |k: &'static str, v: usize| (k, gguf_file::Value::U32(v as u32));
+        let f = |k: &'static str, v: f64| (k, gguf_file::Value::F32(v as f32));
         let md: Vec<(&str, gguf_file::Value)> = vec![
             (
                 "general.architecture",
                 gguf_file::Value::String("qwen3".into()),
             ),
-            (
-                "qwen3.embedding_length",
-                gguf_file::Value::U32(HIDDEN as u32),
-            ),
-            (
-                "qwen3.feed_forward_length",
-                gguf_file::Value::U32(INTER as u32),
-            ),
-            ("qwen3.block_count", gguf_file::Value::U32(LAYERS as u32)),
-            (
-                "qwen3.attention.head_count",
-                gguf_file::Value::U32(HEADS as u32),
-            ),
-            (
-                "qwen3.attention.head_count_kv",
-                gguf_file::Value::U32(KV_HEADS as u32),
-            ),
-            (
-                "qwen3.attention.key_length",
-                gguf_file::Value::U32(HEAD_DIM as u32),
-            ),
-            (
-                "qwen3.attention.value_length",
-                gguf_file::Value::U32(HEAD_DIM as u32),
-            ),
-            ("qwen3.rope.freq_base", gguf_file::Value::F32(THETA as f32)),
-            (
-                "qwen3.attention.layer_norm_rms_epsilon",
-                gguf_file::Value::F32(EPS as f32),
-            ),
-            ("qwen3.context_length", gguf_file::Value::U32(512)),
-            ("qwen3.vocab_size", gguf_file::Value::U32(VOCAB as u32)),
+            u("qwen3.embedding_length", HIDDEN),
+            u("qwen3.feed_forward_length", INTER),
+            u("qwen3.block_count", LAYERS),
+            u("qwen3.attention.head_count", HEADS),
+            u("qwen3.attention.head_count_kv", KV_HEADS),
+            u("qwen3.attention.key_length", HEAD_DIM),
+            u("qwen3.attention.value_length", HEAD_DIM),
+            f("qwen3.rope.freq_base", THETA),
+            f("qwen3.attention.layer_norm_rms_epsilon", EPS),
+            u("qwen3.context_length", 512),
+            u("qwen3.vocab_size", VOCAB),
         ];
         let qts: Vec<(String, QTensor)> = tensors()
             .into_iter()

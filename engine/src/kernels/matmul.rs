@@ -73,16 +73,6 @@ pub struct OutPtr(pub *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-struct ActsPtr<A>(*mut A);
-// SAFETY: the tasks write disjoint rows.
-unsafe impl<A> Send for ActsPtr<A> {}
-unsafe impl<A> Sync for ActsPtr<A> {}
-impl<A> ActsPtr<A> {
-    fn get(&self) -> *mut A {
-        self.0
-    }
-}
-
 /// Quantises the `m` rows of `x` (`k` each) for kernel `K`.
 pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     assert!(
@@ -94,10 +84,10 @@ pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     let nb = k / K::BLOCK;
     let mut acts = vec![K::A::default(); m * nb];
     if m * k >= 1 << 16 {
-        let ptr = ActsPtr(acts.as_mut_ptr());
+        let ptr = pool::SharedMut::new(&mut acts);
         pool::run(m, &|i| {
             // SAFETY: task i writes only row i's `nb` blocks.
-            let a = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(i * nb), nb) };
+            let a = unsafe { ptr.slice(i * nb, nb) };
             K::quantize(&x[i * k..(i + 1) * k], a)
         });
     } else {

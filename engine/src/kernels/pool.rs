@@ -25,6 +25,8 @@ struct Job<'a> {
     tasks: usize,
     next: AtomicUsize,
     done: AtomicUsize,
+    /// A task panicked (on any thread); the caller re-raises it after the job.
+    panicked: AtomicBool,
 }
 
 struct Shared {
@@ -92,6 +94,7 @@ impl Pool {
             tasks,
             next: AtomicUsize::new(0),
             done: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
         };
         // SAFETY (lifetime): the pointer is withdrawn and every worker has left the job
         // (`active == 0`) before this function returns, so `job` outlives all uses.
@@ -111,6 +114,9 @@ impl Pool {
         s.job.store(std::ptr::null_mut(), SeqCst);
         wait_until(|| s.active.load(SeqCst) == 0);
         drop(guard);
+        if job.panicked.load(SeqCst) {
+            panic!("a task of a kernel-pool job panicked");
+        }
     }
 }
 
@@ -134,7 +140,11 @@ fn work(job: &Job) {
         if i >= job.tasks {
             return;
         }
-        (job.f)(i);
+        // A panicking task must still count as done, or the caller would wait forever (and
+        // a worker thread must survive it).
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(i))).is_err() {
+            job.panicked.store(true, SeqCst);
+        }
         job.done.fetch_add(1, SeqCst);
     }
 }
@@ -175,6 +185,28 @@ fn worker(s: &Shared, me: usize) {
     }
 }
 
+/// A pointer into one buffer that parallel tasks share, each writing its own disjoint part.
+pub struct SharedMut<T>(*mut T);
+// SAFETY: users promise disjoint writes (see `slice`).
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    pub fn new(buf: &mut [T]) -> Self {
+        Self(buf.as_mut_ptr())
+    }
+
+    /// `len` elements from `start`.
+    ///
+    /// # Safety
+    /// The range lies inside the buffer, the buffer outlives the slice, and no other task
+    /// touches the range meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
 /// The process-wide pool, sized by [`set_threads`] (or the cores) on first use.
 pub fn global() -> &'static Pool {
     GLOBAL.get_or_init(|| Pool::new(*THREADS.get_or_init(default_threads)))
@@ -202,6 +234,20 @@ pub fn run(tasks: usize, f: &(dyn Fn(usize) + Sync)) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_survives() {
+        let pool = Pool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(8, &|i| assert!(i != 5, "task 5 fails"))
+        }));
+        assert!(r.is_err());
+        let hits: Vec<AtomicUsize> = (0..8).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(8, &|i| {
+            hits[i].fetch_add(1, SeqCst);
+        });
+        assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
+    }
 
     #[test]
     fn every_task_runs_once_across_many_jobs_and_callers() {

@@ -142,18 +142,6 @@ fn axpy(out: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
-/// Where the tasks write: `[T, num_heads * head_dim]`.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: each task writes only its own (row, kv head) group of heads.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
-}
-
 impl PagedAttention {
     /// Calls `f(p, slot)` for positions `lo..hi` in order, walking the block table.
     #[inline(always)]
@@ -208,7 +196,7 @@ impl CustomOp3 for PagedAttention {
         for (si, s) in self.seqs.iter().enumerate() {
             row_seq[s.q_start..s.q_start + s.q_len].fill(si);
         }
-        let optr = OutPtr(out.as_mut_ptr());
+        let optr = crate::kernels::pool::SharedMut::new(&mut out);
         let task = |task: usize| {
             let (row, kvh) = (task / nkv, task % nkv);
             let si = row_seq[row];
@@ -251,9 +239,7 @@ impl CustomOp3 for PagedAttention {
                 sc.iter_mut().for_each(|v| *v *= inv);
             }
             // SAFETY: rows `row`, heads h0..h0 + group are written by this task only.
-            let o = unsafe {
-                std::slice::from_raw_parts_mut(optr.get().add((row * nh + h0) * hd), group * hd)
-            };
+            let o = unsafe { optr.slice((row * nh + h0) * hd, group * hd) };
             if simd {
                 // SAFETY: as above.
                 unsafe { simd::weighted_sum(&scores, hd, vc, &offs, o) };
@@ -371,43 +357,42 @@ mod simd {
         ) {
             let len = offs.len();
             let group = o.len() / hd;
-            let vp = vc.as_ptr();
             for g in 0..group {
                 let wg = &w[g * len..(g + 1) * len];
+                let og = &mut o[g * hd..(g + 1) * hd];
                 if hd.is_multiple_of(64) {
                     // 8 independent accumulators (64 values) keep both FMA ports busy.
                     for c in (0..hd).step_by(64) {
-                        let op = o.as_mut_ptr().add(g * hd + c);
-                        let mut acc: [__m256; 8] =
-                            std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
-                        for (i, &off) in offs.iter().enumerate() {
-                            let wv = _mm256_set1_ps(wg[i]);
-                            let v = vp.add(off + c);
-                            for j in 0..8 {
-                                acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
-                            }
-                        }
-                        for j in 0..8 {
-                            _mm256_storeu_ps(op.add(8 * j), acc[j]);
-                        }
+                        accumulate::<8>(wg, vc, offs, c, og);
                     }
-                    continue;
-                }
-                for c in (0..hd).step_by(32) {
-                    let op = o.as_mut_ptr().add(g * hd + c);
-                    let mut acc: [__m256; 4] =
-                        std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
-                    for (i, &off) in offs.iter().enumerate() {
-                        let wv = _mm256_set1_ps(wg[i]);
-                        let v = vp.add(off + c);
-                        for j in 0..4 {
-                            acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
-                        }
-                    }
-                    for j in 0..4 {
-                        _mm256_storeu_ps(op.add(8 * j), acc[j]);
+                } else {
+                    for c in (0..hd).step_by(32) {
+                        accumulate::<4>(wg, vc, offs, c, og);
                     }
                 }
+            }
+        }
+
+        /// `o[c..c + 8N] += sum_i w[i] * v[offs[i] + c..]`, N vectors in registers.
+        #[inline(always)]
+        unsafe fn accumulate<const N: usize>(
+            w: &[f32],
+            vc: &[f32],
+            offs: &[usize],
+            c: usize,
+            o: &mut [f32],
+        ) {
+            let op = o.as_mut_ptr().add(c);
+            let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
+            for (&wi, &off) in w.iter().zip(offs) {
+                let wv = _mm256_set1_ps(wi);
+                let v = vc.as_ptr().add(off + c);
+                for j in 0..N {
+                    acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
+                }
+            }
+            for j in 0..N {
+                _mm256_storeu_ps(op.add(8 * j), acc[j]);
             }
         }
     }

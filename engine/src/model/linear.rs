@@ -167,11 +167,12 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
     const PAR: usize = 1 << 16;
     if g.len() >= 2 * PAR {
         let chunks = g.len().div_ceil(PAR / 2);
-        let (gp, len) = (GluPtr(g.as_mut_ptr()), g.len());
+        let len = g.len();
+        let gp = crate::kernels::pool::SharedMut::new(&mut g);
         crate::kernels::pool::run(chunks, &|c| {
             let (a, b) = (c * PAR / 2, ((c + 1) * PAR / 2).min(len));
             // SAFETY: chunk c covers a..b of `g` only.
-            let g = unsafe { std::slice::from_raw_parts_mut(gp.get().add(a), b - a) };
+            let g = unsafe { gp.slice(a, b - a) };
             f(g, &u[a..b])
         });
     } else {
@@ -180,16 +181,6 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
     let mut shape = dims;
     *shape.last_mut().expect("rank >= 1") = gate.kernel.as_ref().map_or(0, |o| o.n);
     Tensor::from_vec(g, shape, &Device::Cpu)
-}
-
-struct GluPtr(*mut f32);
-// SAFETY: the tasks write disjoint chunks.
-unsafe impl Send for GluPtr {}
-unsafe impl Sync for GluPtr {}
-impl GluPtr {
-    fn get(&self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// The kernel path of [`forward_many`]: the outputs as vectors and the input's dims, or None
