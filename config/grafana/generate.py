@@ -205,7 +205,11 @@ def spec_board():
     b.panel("Drafts and draft tokens / s", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_drafts_total{{{ENGINE}}}[{RI}]))", "drafts {{model_name}} {{pool}}"),
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_draft_tokens_total{{{ENGINE}}}[{RI}]))", "draft tokens {{model_name}} {{pool}}"),
-        (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_accepted_tokens_total{{{ENGINE}}}[{RI}]))", "accepted {{model_name}} {{pool}}")])
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_accepted_tokens_total{{{ENGINE}}}[{RI}]))", "accepted {{model_name}} {{pool}}"),
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_draft_skipped_steps_total{{{ENGINE}}}[{RI}]))",
+         "steps with the drafter skipped {{model_name}} {{pool}}")],
+        description="Drafter skipped: steps where the dspark policy decoded plainly because the "
+        "model drafter's live acceptance could not pay for its own time (probing every 16th step).")
     b.row("Verify budget vs load")
     b.panel("Verify length per request (mean, p95) vs requests running", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_verify_length_sum{{{ENGINE}}}[{RI}]))"
