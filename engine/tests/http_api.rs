@@ -33,6 +33,16 @@ fn server() -> &'static Server {
     S.get_or_init(|| spawn(EngineConfig::default(), 256))
 }
 
+/// The engine's `/metrics` page.
+fn metrics_text(s: &Server) -> String {
+    client()
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap()
+}
+
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(300))
@@ -298,12 +308,7 @@ fn models_health_ready_metrics() {
         "/v1/completions",
         json!({"model": "default", "prompt": "Hello", "max_tokens": 3}),
     );
-    let text = client()
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
+    let text = metrics_text(s);
     for name in [
         "dspark_time_to_first_token_seconds_bucket",
         "dspark_inter_token_latency_seconds_bucket",
@@ -345,12 +350,7 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
         // step, which on a busy machine may come a little after the first bytes).
         let mut used = 0.0;
         for _ in 0..50 {
-            let text = client()
-                .get(format!("{}/metrics", s.base))
-                .send()
-                .unwrap()
-                .text()
-                .unwrap();
+            let text = metrics_text(&s);
             used = metric(&text, "dspark_kv_cache_usage_ratio");
             if used > 0.0 {
                 break;
@@ -362,12 +362,7 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     let mut freed = false;
     for _ in 0..100 {
         std::thread::sleep(Duration::from_millis(100));
-        let text = client()
-            .get(format!("{}/metrics", s.base))
-            .send()
-            .unwrap()
-            .text()
-            .unwrap();
+        let text = metrics_text(&s);
         if metric(&text, "dspark_kv_cache_usage_ratio") == 0.0
             && metric(&text, "dspark_num_requests_running") == 0.0
         {
@@ -455,12 +450,7 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
             .json()
             .unwrap();
         assert_eq!(r["speculation"], speculation.name());
-        let m = client()
-            .get(format!("{}/metrics", s.base))
-            .send()
-            .unwrap()
-            .text()
-            .unwrap();
+        let m = metrics_text(&s);
         assert!(metric(&m, "dspark_spec_decode_num_draft_tokens_total") > 0.0);
     }
 }

@@ -2,12 +2,10 @@
 //!
 //! 1. The `m` input rows are quantised once (the format the weight type multiplies with).
 //! 2. The `n` weight rows are cut into chunks sized to stay in L1/L2, which run in parallel on
-//!    the kernel pool ([`super::pool`]).
+//!    the kernel pool ([`super::pool`], not rayon: a step has ~150 short parallel regions).
 //! 3. Inside a chunk, input rows go in tiles of 4: each weight block is unpacked once per tile
 //!    and multiplied with 4 activation rows held in registers. The chunk's weights come from
 //!    memory once; later tiles find them in cache.
-//!
-//! Parallel work runs on [`super::pool`], not rayon: a step has ~150 short regions.
 
 use super::dot::Kernel;
 use super::pool;
@@ -66,12 +64,9 @@ const CHUNK_BYTES: usize = 24 * 1024;
 /// few microseconds).
 const PAR_MIN_WORK: usize = 1 << 19;
 
-/// Where a chunk writes: row `i` of the output starts at `ptr + i * n`.
-#[derive(Clone, Copy)]
-pub struct OutPtr(pub *mut f32);
-// SAFETY: the workers write disjoint elements (each output column belongs to one chunk).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+/// Where a chunk writes: row `i` of the output starts at `ptr + i * n`; the workers write
+/// disjoint elements (each output column belongs to one chunk).
+pub type OutPtr = pool::SharedMut<f32>;
 
 /// Quantises the `m` rows of `x` (`k` each) for kernel `K`.
 pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
@@ -195,7 +190,7 @@ fn tile<K: Kernel, const R: usize>(
         for (r, &v) in o.iter().enumerate() {
             // SAFETY: (r0 + r) < m and j < n, so the index is inside `out`; no other worker
             // writes column j.
-            unsafe { *out.0.add((r0 + r) * n + j) = v };
+            unsafe { *out.ptr().add((r0 + r) * n + j) = v };
         }
     }
 }

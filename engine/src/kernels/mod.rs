@@ -192,7 +192,7 @@ impl<'a> QMatrix<'a> {
         use matmul::run_rows;
         #[cfg(target_arch = "x86_64")]
         if let Some(p) = self.packed_for(isa) {
-            return p.run(&acts.q8, m, j0, j1, out.0);
+            return p.run(&acts.q8, m, j0, j1, out.ptr());
         }
         let (n, d) = (self.n, self.data);
         match self.ty {
@@ -276,7 +276,7 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
         .collect();
     let work = m * k * ws.iter().map(|w| w.n).sum::<usize>();
     let jobs = matmul::plan(&shapes, work);
-    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr::new(o)).collect();
     // SAFETY: each output holds m * n values and the jobs' column ranges are disjoint.
     matmul::execute(&jobs, |i, j0, j1| unsafe {
         ws[i].run(&acts, m, j0, j1, ptrs[i], isa)

@@ -190,10 +190,21 @@ pub struct SharedMut<T>(*mut T);
 // SAFETY: users promise disjoint writes (see `slice`).
 unsafe impl<T> Send for SharedMut<T> {}
 unsafe impl<T> Sync for SharedMut<T> {}
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
     pub fn new(buf: &mut [T]) -> Self {
         Self(buf.as_mut_ptr())
+    }
+
+    /// The buffer's start, for writes the caller keeps disjoint.
+    pub fn ptr(&self) -> *mut T {
+        self.0
     }
 
     /// `len` elements from `start`.
