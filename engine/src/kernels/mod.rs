@@ -3,7 +3,8 @@
 //! Unlike a row-by-row GEMV, the activations are quantised ONCE per call (Q8_0/Q8_1 for the
 //! 32-blocks, Q8_K for K-quants, with ggml's rounding so results match llama.cpp) and each
 //! weight block is read once for a tile of 4 input rows, so a verify batch of several tokens
-//! costs little more than one token. Output rows are split over rayon's global pool.
+//! costs little more than one token. Output rows are split over the forward's own thread pool
+//! ([`pool`]).
 //!
 //! - [`blocks`]: weight block layouts (ggml's) and their dequantisation (the test reference).
 //! - [`q8`]: activation quantisation.
@@ -12,6 +13,7 @@
 //! - [`pool`]: the spinning thread pool the forward's parallel regions run on.
 //! - [`vnni`]: AVX-512 VNNI kernels on weights repacked 16 rows per vector (Q4_0, Q4_1,
 //!   Q8_0), used when the CPU has them and the caller supplies the packed copy.
+//! - [`vmath`]: vectorised exp, softmax and SwiGLU for the rest of the forward.
 //!
 //! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
 //! `QMatMul` (see `model::linear`).
@@ -21,6 +23,7 @@ pub mod dot;
 pub mod matmul;
 pub mod pool;
 pub mod q8;
+pub mod vmath;
 pub mod vnni;
 
 use candle_core::quantized::GgmlDType;

@@ -164,8 +164,10 @@ impl CustomOp3 for PagedAttention {
         "paged-attention"
     }
 
-    /// One task per (query row, kv head): each cached key and value row is read once for
-    /// the whole group of query heads that share it.
+    /// One task per (sequence, chunk of query rows, kv head): each cached key and value row
+    /// is read once for all the chunk's rows and the group of query heads sharing that kv
+    /// head (a verify block's queries share their context). Chunks shrink until there are
+    /// enough tasks for the pool.
     fn cpu_fwd(
         &self,
         qs: &CpuStorage,
@@ -188,72 +190,96 @@ impl CustomOp3 for PagedAttention {
         let (q, kc, vc) = (&q[q0..], &kc[k0..], &vc[v0..]);
         let (t, nh, hd) = ql.shape().dims3()?;
         let nkv = self.num_kv_heads;
-        let kv_dim = nkv * hd;
         let group = nh / nkv;
         let mut out = vec![0f32; t * nh * hd];
-        // Map each flat row to its sequence.
-        let mut row_seq = vec![usize::MAX; t];
-        for (si, s) in self.seqs.iter().enumerate() {
-            row_seq[s.q_start..s.q_start + s.q_len].fill(si);
-        }
+        let chunks = self.row_chunks(crate::kernels::pool::global().size());
         let optr = crate::kernels::pool::SharedMut::new(&mut out);
         let task = |task: usize| {
-            let (row, kvh) = (task / nkv, task % nkv);
-            let si = row_seq[row];
-            if si == usize::MAX {
-                return;
-            }
+            let (si, r0, nr) = chunks[task / nkv];
+            let kvh = task % nkv;
             let s = &self.seqs[si];
-            let (lo, hi) = self.visible(s, row - s.q_start);
+            let ranges: Vec<(usize, usize)> = (r0..r0 + nr).map(|r| self.visible(s, r)).collect();
+            let lo = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+            let hi = ranges.iter().map(|r| r.1).max().unwrap_or(0);
             if lo >= hi {
                 return;
             }
             let len = hi - lo;
             let h0 = kvh * group;
-            let qrow = &q[(row * nh + h0) * hd..(row * nh + h0 + group) * hd];
+            // Query vectors, row-major over (row, head of the group).
+            let qv: Vec<&[f32]> = (r0..r0 + nr)
+                .flat_map(|r| {
+                    let base = ((s.q_start + r) * nh + h0) * hd;
+                    (0..group).map(move |g| &q[base + g * hd..base + (g + 1) * hd])
+                })
+                .collect();
             // Offsets of this kv head's key/value rows for positions lo..hi.
             let mut offs = Vec::with_capacity(len);
-            self.for_slots(s, lo, hi, |_, slot| offs.push(slot * kv_dim + kvh * hd));
-            // scores[g * len + i] for head h0 + g and position lo + i.
-            let mut scores = vec![0f32; group * len];
+            self.for_slots(s, lo, hi, |_, slot| offs.push(slot * nkv * hd + kvh * hd));
+            // scores[j * len + i]: query vector j, position lo + i.
+            let mut scores = vec![0f32; qv.len() * len];
             let simd = simd::available() && hd.is_multiple_of(32);
             if simd {
                 // SAFETY: AVX2/FMA present; offsets index whole rows of the caches.
-                unsafe { simd::scores(qrow, hd, kc, &offs, self.scale, &mut scores) };
+                unsafe { simd::scores(&qv, kc, &offs, self.scale, &mut scores) };
             } else {
                 for (i, &off) in offs.iter().enumerate() {
                     let k = &kc[off..off + hd];
-                    for g in 0..group {
-                        scores[g * len + i] = dot(&qrow[g * hd..(g + 1) * hd], k) * self.scale;
+                    for (j, qj) in qv.iter().enumerate() {
+                        scores[j * len + i] = dot(qj, k) * self.scale;
                     }
                 }
             }
-            for sc in scores.chunks_mut(len) {
-                let m = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let mut l = 0f32;
-                for v in sc.iter_mut() {
-                    *v = (*v - m).exp();
-                    l += *v;
-                }
-                let inv = 1.0 / l;
-                sc.iter_mut().for_each(|v| *v *= inv);
+            for (j, sc) in scores.chunks_mut(len).enumerate() {
+                let (a, b) = ranges[j / group];
+                crate::kernels::vmath::softmax_in(sc, a - lo, b - lo);
             }
-            // SAFETY: rows `row`, heads h0..h0 + group are written by this task only.
-            let o = unsafe { optr.slice((row * nh + h0) * hd, group * hd) };
+            // SAFETY: rows r0..r0 + nr, heads h0..h0 + group are written by this task only.
+            let mut o: Vec<&mut [f32]> = (r0..r0 + nr)
+                .flat_map(|r| {
+                    let row = unsafe { optr.slice(((s.q_start + r) * nh + h0) * hd, group * hd) };
+                    row.chunks_mut(hd)
+                })
+                .collect();
             if simd {
                 // SAFETY: as above.
-                unsafe { simd::weighted_sum(&scores, hd, vc, &offs, o) };
+                unsafe { simd::weighted_sum(&scores, vc, &offs, &mut o) };
             } else {
                 for (i, &off) in offs.iter().enumerate() {
                     let v = &vc[off..off + hd];
-                    for g in 0..group {
-                        axpy(&mut o[g * hd..(g + 1) * hd], scores[g * len + i], v);
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        axpy(oj, scores[j * len + i], v);
                     }
                 }
             }
         };
-        crate::kernels::pool::run(t * nkv, &task);
+        crate::kernels::pool::run(chunks.len() * nkv, &task);
         Ok((CpuStorage::F32(out), Shape::from((t, nh * hd))))
+    }
+}
+
+impl PagedAttention {
+    /// `(sequence, first row, rows)` chunks of at most 8 query rows, halved until there are
+    /// at least two tasks per pool thread (or one row per chunk).
+    fn row_chunks(&self, threads: usize) -> Vec<(usize, usize, usize)> {
+        let mut rc = 8;
+        loop {
+            let n: usize = self.seqs.iter().map(|s| s.q_len.div_ceil(rc)).sum();
+            if rc == 1 || n * self.num_kv_heads >= 2 * threads {
+                break;
+            }
+            rc /= 2;
+        }
+        let mut chunks = Vec::new();
+        for (si, s) in self.seqs.iter().enumerate() {
+            let mut r = 0;
+            while r < s.q_len {
+                let nr = rc.min(s.q_len - r);
+                chunks.push((si, r, nr));
+                r += nr;
+            }
+        }
+        chunks
     }
 }
 
@@ -261,24 +287,16 @@ impl CustomOp3 for PagedAttention {
 /// one dependent FMA chain per dot product). Need `head_dim` to be a multiple of 32.
 mod simd {
     pub fn available() -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            *OK.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        crate::kernels::vmath::avx2_fma()
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    pub unsafe fn scores(_: &[f32], _: usize, _: &[f32], _: &[usize], _: f32, _: &mut [f32]) {
+    pub unsafe fn scores(_: &[&[f32]], _: &[f32], _: &[usize], _: f32, _: &mut [f32]) {
         unreachable!("no SIMD attention on this architecture")
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    pub unsafe fn weighted_sum(_: &[f32], _: usize, _: &[f32], _: &[usize], _: &mut [f32]) {
+    pub unsafe fn weighted_sum(_: &[f32], _: &[f32], _: &[usize], _: &mut [&mut [f32]]) {
         unreachable!("no SIMD attention on this architecture")
     }
 
@@ -305,30 +323,28 @@ mod simd {
             _mm256_add_ps(lo, hi)
         }
 
-        /// `scores[g * len + i] = scale * q_g · k[offs[i]..]` for the heads of `q`
-        /// (`group * hd` values), 8 positions at a time (8 independent accumulators).
+        /// `scores[j * len + i] = scale * q_j · k[offs[i]..]` for every query vector `q_j`
+        /// (each `hd` long), 8 positions at a time (8 independent accumulators). Positions
+        /// are the outer loop, so 8 key rows are read from memory once and from L1 for every
+        /// further query vector.
         #[target_feature(enable = "avx2,fma")]
         pub unsafe fn scores(
-            q: &[f32],
-            hd: usize,
+            q: &[&[f32]],
             kc: &[f32],
             offs: &[usize],
             scale: f32,
             scores: &mut [f32],
         ) {
             let len = offs.len();
-            let group = q.len() / hd;
             let kp = kc.as_ptr();
-            for g in 0..group {
-                let qg = q.as_ptr().add(g * hd);
-                let mut i = 0;
-                while i < len {
-                    let n = (len - i).min(8);
-                    let rows: [*const f32; 8] =
-                        std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+            let mut i = 0;
+            while i < len {
+                let n = (len - i).min(8);
+                let rows: [*const f32; 8] = std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+                for (g, qg) in q.iter().enumerate() {
                     let mut acc = [_mm256_setzero_ps(); 8];
-                    for c in (0..hd).step_by(8) {
-                        let qv = _mm256_loadu_ps(qg.add(c));
+                    for c in (0..qg.len()).step_by(8) {
+                        let qv = _mm256_loadu_ps(qg.as_ptr().add(c));
                         for j in 0..8 {
                             acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j].add(c)), acc[j]);
                         }
@@ -341,33 +357,33 @@ mod simd {
                         _mm256_storeu_ps(tmp.as_mut_ptr(), sums);
                         scores[g * len + i..g * len + i + n].copy_from_slice(&tmp[..n]);
                     }
-                    i += n;
                 }
+                i += n;
             }
         }
 
-        /// `o_g += sum_i w[g * len + i] * v[offs[i]..]` for every head g of `o`.
+        /// Positions per pass of [`weighted_sum`]: their value rows stay in L1 while every
+        /// output vector accumulates them.
+        const PASS: usize = 32;
+
+        /// `o_j += sum_i w[j * len + i] * v[offs[i]..]` for every output vector `o_j`.
         #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn weighted_sum(
-            w: &[f32],
-            hd: usize,
-            vc: &[f32],
-            offs: &[usize],
-            o: &mut [f32],
-        ) {
+        pub unsafe fn weighted_sum(w: &[f32], vc: &[f32], offs: &[usize], o: &mut [&mut [f32]]) {
             let len = offs.len();
-            let group = o.len() / hd;
-            for g in 0..group {
-                let wg = &w[g * len..(g + 1) * len];
-                let og = &mut o[g * hd..(g + 1) * hd];
-                if hd.is_multiple_of(64) {
-                    // 8 independent accumulators (64 values) keep both FMA ports busy.
-                    for c in (0..hd).step_by(64) {
-                        accumulate::<8>(wg, vc, offs, c, og);
-                    }
-                } else {
-                    for c in (0..hd).step_by(32) {
-                        accumulate::<4>(wg, vc, offs, c, og);
+            for p in (0..len).step_by(PASS) {
+                let e = (p + PASS).min(len);
+                for (j, oj) in o.iter_mut().enumerate() {
+                    let wj = &w[j * len + p..j * len + e];
+                    let hd = oj.len();
+                    if hd.is_multiple_of(64) {
+                        // 8 independent accumulators (64 values) keep both FMA ports busy.
+                        for c in (0..hd).step_by(64) {
+                            accumulate::<8>(wj, vc, &offs[p..e], c, oj);
+                        }
+                    } else {
+                        for c in (0..hd).step_by(32) {
+                            accumulate::<4>(wj, vc, &offs[p..e], c, oj);
+                        }
                     }
                 }
             }
@@ -437,8 +453,16 @@ mod tests {
                 kv_len: 11,
                 block_table: vec![9, 1, 15],
             },
+            // More rows than one chunk holds (prefill-like).
+            AttnSeq {
+                q_start: 9,
+                q_len: 11,
+                q_pos0: 2,
+                kv_len: 13,
+                block_table: vec![3, 5, 6, 8],
+            },
         ];
-        let q = Tensor::randn(0f32, 1.0, (9, nh, hd), &dev).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (20, nh, hd), &dev).unwrap();
         let op = PagedAttention {
             seqs: std::sync::Arc::new(seqs),
             num_heads: nh,
@@ -460,6 +484,40 @@ mod tests {
             .to_scalar::<f32>()
             .unwrap();
         assert!(d < 1e-4, "kernel and reference differ by {d}");
+    }
+
+    #[test]
+    fn row_chunks_shrink_until_every_thread_has_work() {
+        let seq = |q_start, q_len| AttnSeq {
+            q_start,
+            q_len,
+            q_pos0: 10,
+            kv_len: 10 + q_len,
+            block_table: vec![0; 8],
+        };
+        let op = |seqs| PagedAttention {
+            seqs: std::sync::Arc::new(seqs),
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            block_size: 16,
+            scale: 0.125,
+            window: None,
+            causal: true,
+        };
+        // One verify block of 4 rows, 3 kv heads, 2 threads: 2 chunks of 2 rows (6 tasks).
+        assert_eq!(
+            op(vec![seq(0, 4)]).row_chunks(2),
+            vec![(0, 0, 2), (0, 2, 2)]
+        );
+        // Enough work already: chunks of 8 rows, the last one shorter.
+        assert_eq!(
+            op(vec![seq(0, 20)]).row_chunks(2),
+            vec![(0, 0, 8), (0, 8, 8), (0, 16, 4)]
+        );
+        // Decode rows of many sequences: one row each.
+        let decode: Vec<AttnSeq> = (0..4).map(|i| seq(i, 1)).collect();
+        assert_eq!(op(decode).row_chunks(16).len(), 4);
     }
 
     #[test]

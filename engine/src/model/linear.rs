@@ -151,11 +151,7 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
         candle_core::bail!("gate and up have different widths");
     }
     let f = |g: &mut [f32], u: &[f32]| match act {
-        Activation::Silu => {
-            for (g, &u) in g.iter_mut().zip(u) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-        }
+        Activation::Silu => crate::kernels::vmath::silu_mul(g, u),
         Activation::GeluTanh => {
             const S: f32 = 0.797_884_6; // sqrt(2 / pi), as candle
             for (g, &u) in g.iter_mut().zip(u) {
