@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Builds the drafter prompt sets (issue #5) deterministically; outputs are committed.
 
-- train.jsonl: drafter self-distillation prompts: HumanEval tasks 0-95 (code), templated
-  grade-school math word problems (math) and templated assistant questions (chat).
+- train.jsonl: drafter self-distillation prompts: HumanEval tasks 0-119 and templated
+  small-function tasks (code), templated grade-school math word problems (math) and
+  templated assistant questions (chat); about 1500 prompts.
 - code.jsonl / math.jsonl / chat.jsonl: evaluation prompts, disjoint from train.jsonl:
   HumanEval tasks 120-163; math problems from templates never used in training; chat
   questions on topics never used in training.
@@ -66,25 +67,102 @@ TOPICS_TRAIN = ["public transport", "learning a new language", "cloud computing"
     "saving money", "remote work", "electric cars", "photosynthesis", "time management", "recycling",
     "social media", "gardening", "version control with git", "running a marathon", "solar energy",
     "writing a resume", "meditation", "the water cycle", "online privacy", "cooking pasta"]
+TOPICS_TRAIN += ["the solar system", "baking bread", "budget travel", "learning to swim",
+    "home networking", "first aid", "birdwatching", "digital photography", "climate change",
+    "job interviews", "sleep hygiene", "the French revolution", "electric guitars",
+    "houseplants", "spreadsheets", "the immune system", "camping", "renewable energy",
+    "chess openings", "team sports", "painting with watercolors", "starting a small business",
+    "email etiquette", "the internet", "vaccines", "volunteering", "minimalism",
+    "learning to code", "podcasts", "board games", "renting an apartment", "car maintenance",
+    "the moon", "honey bees", "ancient Rome", "3D printing", "open source software",
+    "yoga", "coffee brewing", "jazz music", "stress management", "note taking",
+    "data backups", "cycling to work", "the printing press", "rainforests", "earthquakes",
+    "credit scores", "wind turbines", "museums", "city planning", "ocean tides",
+    "video games", "dog training", "knitting", "weather forecasts", "DNA",
+    "bridges", "libraries", "fermentation", "origami", "black holes"]
+CHAT_TEMPLATES_TRAIN = CHAT_TEMPLATES + [
+    "How would you explain {t} to a ten-year-old?",
+    "List five interesting facts about {t}.",
+    "What should I know before getting started with {t}?",
+]
 TOPICS_EVAL = ["volcanoes", "buying a used bicycle", "password managers", "drinking enough water",
     "public speaking", "machine learning", "composting", "the stock market"]
 
-def chat(topics, seed, n):
+def chat(topics, seed, n, templates=CHAT_TEMPLATES):
     rng = random.Random(seed)
-    pairs = [(t, tp) for t in topics for tp in CHAT_TEMPLATES]
+    pairs = [(t, tp) for t in topics for tp in templates]
     rng.shuffle(pairs)
     return [tp.format(t=t) for t, tp in pairs[:n]]
+
+# Small-function tasks for more code data (HumanEval has only 164 problems; 120-163 are
+# the evaluation set).
+CODE_TASKS = [
+    ("reverse_words", "s: str", "str", "reverses the order of the words in a sentence"),
+    ("count_vowels", "s: str", "int", "counts the vowels in a string"),
+    ("is_palindrome", "s: str", "bool", "checks whether a string is a palindrome, ignoring case and spaces"),
+    ("fibonacci", "n: int", "int", "returns the n-th Fibonacci number"),
+    ("flatten", "xs: list", "list", "flattens a nested list of integers"),
+    ("merge_sorted", "a: list, b: list", "list", "merges two sorted lists into one sorted list"),
+    ("word_count", "text: str", "dict", "counts how often each word occurs in a text"),
+    ("gcd", "a: int, b: int", "int", "returns the greatest common divisor of two integers"),
+    ("is_prime", "n: int", "bool", "checks whether a number is prime"),
+    ("primes_below", "n: int", "list", "returns all prime numbers below n"),
+    ("chunk", "xs: list, size: int", "list", "splits a list into chunks of the given size"),
+    ("dedupe", "xs: list", "list", "removes duplicates from a list while keeping the order"),
+    ("second_largest", "xs: list", "int", "returns the second largest distinct number in a list"),
+    ("capitalize_words", "s: str", "str", "capitalizes the first letter of every word"),
+    ("binary_search", "xs: list, target: int", "int", "returns the index of target in a sorted list or -1"),
+    ("transpose", "m: list", "list", "transposes a matrix given as a list of rows"),
+    ("running_sum", "xs: list", "list", "returns the running sums of a list of numbers"),
+    ("celsius_to_fahrenheit", "c: float", "float", "converts a temperature from Celsius to Fahrenheit"),
+    ("digit_sum", "n: int", "int", "returns the sum of the digits of a non-negative integer"),
+    ("anagrams", "a: str, b: str", "bool", "checks whether two strings are anagrams"),
+    ("rotate", "xs: list, k: int", "list", "rotates a list to the right by k positions"),
+    ("max_subarray", "xs: list", "int", "returns the largest sum of a contiguous sub-list"),
+    ("roman_to_int", "s: str", "int", "converts a Roman numeral to an integer"),
+    ("int_to_binary", "n: int", "str", "returns the binary representation of a non-negative integer"),
+    ("most_common", "xs: list", "object", "returns the most common element of a list"),
+    ("valid_parentheses", "s: str", "bool", "checks whether the brackets in a string are balanced"),
+    ("pairs_with_sum", "xs: list, target: int", "list", "returns all pairs of numbers that add up to target"),
+    ("factorial", "n: int", "int", "returns n factorial"),
+    ("remove_punctuation", "s: str", "str", "removes punctuation characters from a string"),
+    ("average", "xs: list", "float", "returns the average of a list of numbers, or 0.0 when it is empty"),
+    ("longest_word", "text: str", "str", "returns the longest word in a text"),
+    ("matrix_multiply", "a: list, b: list", "list", "multiplies two matrices given as lists of rows"),
+    ("caesar_cipher", "s: str, shift: int", "str", "encrypts a string with a Caesar cipher"),
+    ("leap_year", "year: int", "bool", "checks whether a year is a leap year"),
+    ("find_missing", "xs: list", "int", "finds the missing number in a list containing 0..n with one number missing"),
+    ("group_by_length", "words: list", "dict", "groups words by their length"),
+    ("snake_to_camel", "s: str", "str", "converts a snake_case name to camelCase"),
+    ("count_islands", "grid: list", "int", "counts groups of connected 1s in a grid of 0s and 1s"),
+    ("median", "xs: list", "float", "returns the median of a list of numbers"),
+    ("compress", "s: str", "str", "compresses a string by counting repeated characters, like aaab -> a3b1"),
+]
+CODE_TEMPLATES = [
+    "Write a Python function `{name}({args}) -> {ret}` that {desc}. Include a docstring.",
+    "Implement `def {name}({args}) -> {ret}:` in Python. It {desc}.",
+    "Write a Python function that {desc}. Call it `{name}` and add a few test cases.",
+    "Write {name}({args}) in Python: it {desc}. Explain how it works.",
+]
+
+def code_tasks():
+    out = []
+    for i, (name, args, ret, desc) in enumerate(CODE_TASKS):
+        for j, t in enumerate(CODE_TEMPLATES):
+            out.append({"id": f"code-train-{i:02d}-{j}", "domain": "code",
+                        "prompt": t.format(name=name, args=args, ret=ret, desc=desc)})
+    return out
 
 def write(name, rows):
     with open(os.path.join(here, name), "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
 
-train = [code(t) for t in he[:96]]
+train = [code(t) for t in he[:120]] + code_tasks()
 train += [{"id": f"math-train-{i:03d}", "domain": "math", "prompt": p}
-          for i, p in enumerate(math_problems(MATH_TRAIN, 80, 1))]
+          for i, p in enumerate(math_problems(MATH_TRAIN, 560, 1))]
 train += [{"id": f"chat-train-{i:03d}", "domain": "chat", "prompt": p}
-          for i, p in enumerate(chat(TOPICS_TRAIN, 2, 80))]
+          for i, p in enumerate(chat(TOPICS_TRAIN, 2, 640, CHAT_TEMPLATES_TRAIN))]
 random.Random(3).shuffle(train)
 write("train.jsonl", train)
 write("code.jsonl", [code(t) for t in he[120:164]])

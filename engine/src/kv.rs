@@ -1,5 +1,7 @@
 //! The paged KV cache: fixed-size blocks of key/value slots for every layer, shared by all
-//! sequences, handed out from a free list under a memory budget.
+//! sequences, handed out from a free list under a memory budget. Slots are f32 or f16
+//! ([`KvCache::new_as`]); f16 halves the memory and the bytes attention reads per step (the
+//! attention kernel widens rows to f32 as it reads them), as llama.cpp's default cache does.
 //!
 //! The model never owns the cache: a forward gets each sequence's block table (a view) and
 //! writes the new keys/values into the slots it names. Sequences of any length therefore run
@@ -12,18 +14,25 @@ pub struct KvCache {
     pub block_size: usize,
     num_blocks: usize,
     kv_dim: usize,
-    /// Per layer `[num_blocks * block_size, kv_dim]` f32.
+    /// Per layer `[num_blocks * block_size, kv_dim]` of `dtype`.
     pub k: Vec<Tensor>,
     pub v: Vec<Tensor>,
     free: Vec<u32>,
+    dtype: DType,
 }
 
 impl KvCache {
-    /// Bytes one token's keys and values take over all layers.
+    /// Bytes one token's keys and values take over all layers in an f32 cache.
     pub fn bytes_per_token(num_layers: usize, kv_dim: usize) -> usize {
-        num_layers * 2 * kv_dim * 4
+        Self::bytes_per_token_as(num_layers, kv_dim, DType::F32)
     }
 
+    /// Bytes one token's keys and values take over all layers in a cache of `dtype`.
+    pub fn bytes_per_token_as(num_layers: usize, kv_dim: usize, dtype: DType) -> usize {
+        num_layers * 2 * kv_dim * dtype.size_in_bytes()
+    }
+
+    /// An f32 cache.
     pub fn new(
         num_layers: usize,
         kv_dim: usize,
@@ -31,7 +40,29 @@ impl KvCache {
         block_size: usize,
         device: &Device,
     ) -> Result<Self> {
-        let per_block = Self::bytes_per_token(num_layers, kv_dim) * block_size;
+        Self::new_as(
+            num_layers,
+            kv_dim,
+            budget_bytes,
+            block_size,
+            device,
+            DType::F32,
+        )
+    }
+
+    /// A cache of `dtype` (F32 or F16) with as many blocks as `budget_bytes` holds.
+    pub fn new_as(
+        num_layers: usize,
+        kv_dim: usize,
+        budget_bytes: usize,
+        block_size: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::F16) {
+            bail!("KV cache dtype {dtype:?} is not supported (use f16 or f32)");
+        }
+        let per_block = Self::bytes_per_token_as(num_layers, kv_dim, dtype) * block_size;
         let num_blocks = budget_bytes / per_block;
         if num_blocks == 0 {
             bail!(
@@ -42,8 +73,8 @@ impl KvCache {
         let mut k = Vec::with_capacity(num_layers);
         let mut v = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
-            k.push(Tensor::zeros((slots, kv_dim), DType::F32, device)?);
-            v.push(Tensor::zeros((slots, kv_dim), DType::F32, device)?);
+            k.push(Tensor::zeros((slots, kv_dim), dtype, device)?);
+            v.push(Tensor::zeros((slots, kv_dim), dtype, device)?);
         }
         Ok(Self {
             block_size,
@@ -52,7 +83,26 @@ impl KvCache {
             k,
             v,
             free: (0..num_blocks as u32).rev().collect(),
+            dtype,
         })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Writes rows of `k` and `v` (`[T, kv_dim]`, any float dtype) of `layer` into the slots
+    /// of `slot_idx` (`[T, kv_dim]` u32, row i all `slot_i`), converting to the cache dtype.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slot_idx: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> candle_core::Result<()> {
+        let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
+        self.k[layer].scatter_set(slot_idx, &k.contiguous()?, 0)?;
+        self.v[layer].scatter_set(slot_idx, &v.contiguous()?, 0)
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -125,6 +175,28 @@ mod tests {
         kv.truncate(&mut b, 0);
         assert_eq!(kv.free_blocks(), 8);
         assert_eq!(kv.slot(&a, 5), a[1] as usize * 4 + 1);
+    }
+
+    #[test]
+    fn an_f16_cache_holds_twice_the_tokens_and_converts_writes() {
+        let budget = 2 * 2 * 8 * 4 * 4 * 10;
+        let kv32 = KvCache::new(2, 8, budget, 4, &Device::Cpu).unwrap();
+        let mut kv16 = KvCache::new_as(2, 8, budget, 4, &Device::Cpu, DType::F16).unwrap();
+        assert_eq!(kv16.total_blocks(), 2 * kv32.total_blocks());
+        let k = Tensor::new(&[[0.5f32; 8], [1.25; 8]], &Device::Cpu).unwrap();
+        let v = (&k * -2.0).unwrap();
+        let idx = Tensor::new(&[[3u32; 8], [9; 8]], &Device::Cpu).unwrap();
+        kv16.write(1, &idx, &k, &v).unwrap();
+        let rows =
+            |t: &Tensor| -> Vec<Vec<f32>> { t.to_dtype(DType::F32).unwrap().to_vec2().unwrap() };
+        assert_eq!(kv16.k[1].dtype(), DType::F16);
+        assert_eq!(rows(&kv16.k[1])[9], vec![1.25; 8]);
+        assert_eq!(rows(&kv16.v[1])[3], vec![-1.0; 8]);
+        assert_eq!(rows(&kv16.k[0])[9], vec![0.0; 8]);
+        let e = KvCache::new_as(2, 8, budget, 4, &Device::Cpu, DType::BF16)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("not supported"));
     }
 
     #[test]

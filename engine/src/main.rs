@@ -62,6 +62,9 @@ struct ProfileArgs {
     /// Tokens each sequence contributes per step (1 = decode, >1 = verify blocks).
     #[arg(long, default_value_t = 4)]
     tokens_per_seq: usize,
+    /// KV cache element type, as `serve --kv-cache-dtype` (profile what you serve).
+    #[arg(long, default_value = "f16", env = "DSPARK_KV_CACHE_DTYPE")]
+    kv_cache_dtype: String,
     /// Most repetitions per point.
     #[arg(long, default_value_t = 60)]
     max_reps: usize,
@@ -89,6 +92,9 @@ struct ServeArgs {
     kv_cache_mb: usize,
     #[arg(long, default_value_t = 16)]
     kv_block_size: usize,
+    /// KV cache element type: f16 (half the memory and attention reads) or f32.
+    #[arg(long, default_value = "f16", env = "DSPARK_KV_CACHE_DTYPE")]
+    kv_cache_dtype: String,
     /// Longest prompt + completion (default: the model's context, capped by the KV budget).
     #[arg(long)]
     max_model_len: Option<usize>,
@@ -200,6 +206,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         served_model_name: a.served_model_name.clone(),
         kv_cache_mb: a.kv_cache_mb,
         kv_block_size: a.kv_block_size,
+        kv_cache_dtype: runtime::parse_kv_dtype(&a.kv_cache_dtype)?,
         max_model_len: a.max_model_len,
         engine: EngineConfig {
             max_batch_tokens: a.max_batch_tokens,
@@ -281,13 +288,16 @@ fn profile(a: ProfileArgs) -> Result<()> {
         ..Default::default()
     };
     let need = (a.max_batch as usize) * (a.context + a.tokens_per_seq + 16);
-    let kv_bytes = need * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
-    let mut kv = KvCache::new(
+    let dtype = runtime::parse_kv_dtype(&a.kv_cache_dtype)?;
+    let kv_bytes =
+        need * KvCache::bytes_per_token_as(model.cfg.num_layers, model.cfg.kv_dim(), dtype);
+    let mut kv = KvCache::new_as(
         model.cfg.num_layers,
         model.cfg.kv_dim(),
         kv_bytes,
         16,
         &device,
+        dtype,
     )?;
     eprintln!(
         "profiling {} on {} over B = {:?} (context {}, {} tokens per sequence)",

@@ -78,6 +78,16 @@ pub fn load(path: &Path, device: &Device, progress: bool) -> Result<(Model, Text
     Ok((model, tok))
 }
 
+/// `--kv-cache-dtype`: `f16` (default: half the memory and attention reads, llama.cpp's
+/// default) or `f32`.
+pub fn parse_kv_dtype(s: &str) -> Result<candle_core::DType> {
+    match s.to_ascii_lowercase().as_str() {
+        "f16" | "fp16" | "float16" | "half" => Ok(candle_core::DType::F16),
+        "f32" | "fp32" | "float32" | "float" => Ok(candle_core::DType::F32),
+        other => anyhow::bail!("--kv-cache-dtype must be f16 or f32, got '{other}'"),
+    }
+}
+
 /// Everything `serve` needs besides the network address.
 #[derive(Debug, Clone)]
 pub struct AppOptions {
@@ -86,6 +96,8 @@ pub struct AppOptions {
     pub served_model_name: Option<String>,
     pub kv_cache_mb: usize,
     pub kv_block_size: usize,
+    /// Element type of the KV cache slots (F16 or F32).
+    pub kv_cache_dtype: candle_core::DType,
     pub max_model_len: Option<usize>,
     pub engine: crate::engine::EngineConfig,
     pub show_progress: bool,
@@ -175,6 +187,8 @@ pub fn build_drafter(
             DSparkDrafter::random(model, cfg, 0)?
         }
     };
+    let mut drafter = drafter;
+    drafter.use_cpu_kernels()?;
     let c = drafter.config();
     let per_token = crate::kv::KvCache::bytes_per_token(
         c.num_hidden_layers,
@@ -197,12 +211,13 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     use std::sync::Arc;
     let device = device(&opts.device)?;
     let (model, tok) = load(&opts.model, &device, opts.show_progress)?;
-    let mut kv = KvCache::new(
+    let mut kv = KvCache::new_as(
         model.cfg.num_layers,
         model.cfg.kv_dim(),
         opts.kv_cache_mb * 1024 * 1024,
         opts.kv_block_size,
         &device,
+        opts.kv_cache_dtype,
     )?;
     let mut max_seq = Engine::max_sequence_tokens(&model, &kv);
     if let Some(m) = opts.max_model_len {

@@ -32,6 +32,7 @@ fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: b
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: 64,
         kv_block_size: 16,
+        kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(1024),
         engine: EngineConfig {
             speculation,

@@ -17,6 +17,7 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: kv_mb,
         kv_block_size: 16,
+        kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(2048),
         engine,
         show_progress: false,

@@ -3,21 +3,23 @@
 
 mod common;
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use dspark_engine::kv::KvCache;
 use dspark_engine::model::{argmax, Model, SeqBatch};
 use dspark_engine::tokenizer::TextTokenizer;
 use std::path::Path;
 
-fn load(path: &Path) -> (Model, KvCache) {
+/// The model and a KV cache of `dtype` (serving's default is f16).
+fn load(path: &Path, dtype: DType) -> (Model, KvCache) {
     dspark_engine::runtime::init_threads(None);
     let m = Model::load(path, &Device::Cpu, &|_, _| {}).expect("model loads");
-    let kv = KvCache::new(
+    let kv = KvCache::new_as(
         m.cfg.num_layers,
         m.cfg.kv_dim(),
         256 << 20,
         16,
         &Device::Cpu,
+        dtype,
     )
     .unwrap();
     (m, kv)
@@ -26,7 +28,8 @@ fn load(path: &Path) -> (Model, KvCache) {
 /// Teacher-forces every reference sequence; returns (agreeing positions, positions, the
 /// largest llama.cpp top-1/top-2 logit margin among the disagreements).
 fn agreement(path: &Path) -> (usize, usize, f64) {
-    let (m, mut kv) = load(path);
+    // The cache as `serve` keeps it (f16, like llama.cpp's default).
+    let (m, mut kv) = load(path, DType::F16);
     let reference = common::reference(path);
     let (mut agree, mut total, mut worst_margin) = (0, 0, 0f64);
     for seq in reference["sequences"].as_array().unwrap() {
@@ -156,7 +159,7 @@ fn tokenizer_matches_llama_cpp_tokenization() {
 
 #[test]
 fn batched_and_unbatched_forwards_agree() {
-    let (m, mut kv) = load(&common::smollm2());
+    let (m, mut kv) = load(&common::smollm2(), DType::F16);
     let (_, ct) = dspark_engine::model::weights::open_gguf(&common::smollm2()).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let texts = [

@@ -45,6 +45,7 @@ fn run(
         served_model_name: None,
         kv_cache_mb: 256,
         kv_block_size: 16,
+        kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(1024),
         engine: EngineConfig {
             speculation,

@@ -82,6 +82,7 @@ impl PagedAttention {
             let idx = Tensor::new(slots.as_slice(), dev)?;
             let k = k_cache
                 .index_select(&idx, 0)?
+                .to_dtype(candle_core::DType::F32)?
                 .reshape((s.kv_len, self.num_kv_heads, 1, hd))?
                 .broadcast_as((s.kv_len, self.num_kv_heads, group, hd))?
                 .reshape((s.kv_len, nh, hd))?
@@ -89,6 +90,7 @@ impl PagedAttention {
                 .contiguous()?; // [nh, L, hd]
             let v = v_cache
                 .index_select(&idx, 0)?
+                .to_dtype(candle_core::DType::F32)?
                 .reshape((s.kv_len, self.num_kv_heads, 1, hd))?
                 .broadcast_as((s.kv_len, self.num_kv_heads, group, hd))?
                 .reshape((s.kv_len, nh, hd))?
@@ -177,9 +179,6 @@ impl CustomOp3 for PagedAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(q), CpuStorage::F32(kc), CpuStorage::F32(vc)) = (qs, ks, vs) else {
-            candle_core::bail!("paged attention expects f32 tensors");
-        };
         let (Some((q0, _)), Some((k0, _)), Some((v0, _))) = (
             ql.contiguous_offsets(),
             kl.contiguous_offsets(),
@@ -187,7 +186,19 @@ impl CustomOp3 for PagedAttention {
         ) else {
             candle_core::bail!("paged attention expects contiguous tensors");
         };
-        let (q, kc, vc) = (&q[q0..], &kc[k0..], &vc[v0..]);
+        let CpuStorage::F32(q) = qs else {
+            candle_core::bail!("paged attention expects f32 queries");
+        };
+        let (kc, vc) = match (ks, vs) {
+            (CpuStorage::F32(k), CpuStorage::F32(v)) => {
+                (CacheRows::F32(&k[k0..]), CacheRows::F32(&v[v0..]))
+            }
+            (CpuStorage::F16(k), CpuStorage::F16(v)) => {
+                (CacheRows::F16(&k[k0..]), CacheRows::F16(&v[v0..]))
+            }
+            _ => candle_core::bail!("paged attention expects f32 or f16 key/value caches"),
+        };
+        let q = &q[q0..];
         let (t, nh, hd) = ql.shape().dims3()?;
         let nkv = self.num_kv_heads;
         let group = nh / nkv;
@@ -216,14 +227,18 @@ impl CustomOp3 for PagedAttention {
             // Offsets of this kv head's key/value rows for positions lo..hi.
             let mut offs = Vec::with_capacity(len);
             self.for_slots(s, lo, hi, |_, slot| offs.push(slot * nkv * hd + kvh * hd));
+            let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+            let (mut klocal, mut vlocal) = (Vec::new(), Vec::new());
+            let (kc, koffs) = kc.rows(&offs, hd, &mut kbuf, &mut klocal);
+            let (vc, voffs) = vc.rows(&offs, hd, &mut vbuf, &mut vlocal);
             // scores[j * len + i]: query vector j, position lo + i.
             let mut scores = vec![0f32; qv.len() * len];
             let simd = simd::available() && hd.is_multiple_of(32);
             if simd {
                 // SAFETY: AVX2/FMA present; offsets index whole rows of the caches.
-                unsafe { simd::scores(&qv, kc, &offs, self.scale, &mut scores) };
+                unsafe { simd::scores(&qv, kc, koffs, self.scale, &mut scores) };
             } else {
-                for (i, &off) in offs.iter().enumerate() {
+                for (i, &off) in koffs.iter().enumerate() {
                     let k = &kc[off..off + hd];
                     for (j, qj) in qv.iter().enumerate() {
                         scores[j * len + i] = dot(qj, k) * self.scale;
@@ -243,9 +258,9 @@ impl CustomOp3 for PagedAttention {
                 .collect();
             if simd {
                 // SAFETY: as above.
-                unsafe { simd::weighted_sum(&scores, vc, &offs, &mut o) };
+                unsafe { simd::weighted_sum(&scores, vc, voffs, &mut o) };
             } else {
-                for (i, &off) in offs.iter().enumerate() {
+                for (i, &off) in voffs.iter().enumerate() {
                     let v = &vc[off..off + hd];
                     for (j, oj) in o.iter_mut().enumerate() {
                         axpy(oj, scores[j * len + i], v);
@@ -255,6 +270,39 @@ impl CustomOp3 for PagedAttention {
         };
         crate::kernels::pool::run(chunks.len() * nkv, &task);
         Ok((CpuStorage::F32(out), Shape::from((t, nh * hd))))
+    }
+}
+
+/// A key or value cache as the kernel reads it.
+#[derive(Clone, Copy)]
+enum CacheRows<'a> {
+    F32(&'a [f32]),
+    F16(&'a [half::f16]),
+}
+
+impl CacheRows<'_> {
+    /// The rows at `offs` (each `hd` long) as f32 and their offsets: the cache itself for
+    /// f32; for f16 a copy widened once into `buf` (rows back to back; `local` holds the
+    /// offsets), so the cache is read at half the bytes and the kernels stay f32.
+    fn rows<'b>(
+        &'b self,
+        offs: &'b [usize],
+        hd: usize,
+        buf: &'b mut Vec<f32>,
+        local: &'b mut Vec<usize>,
+    ) -> (&'b [f32], &'b [usize]) {
+        use half::slice::HalfFloatSliceExt;
+        match *self {
+            CacheRows::F32(c) => (c, offs),
+            CacheRows::F16(c) => {
+                buf.resize(offs.len() * hd, 0.0);
+                for (dst, &off) in buf.chunks_exact_mut(hd).zip(offs) {
+                    c[off..off + hd].convert_to_f32_slice(dst);
+                }
+                *local = (0..offs.len()).map(|i| i * hd).collect();
+                (buf, local)
+            }
+        }
     }
 }
 
@@ -473,17 +521,33 @@ mod tests {
             window,
             causal,
         };
+        let maxdiff = |a: Tensor, b: Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
         let a = op.forward(&q, &kc, &vc).unwrap();
         let b = op.forward_generic(&q, &kc, &vc).unwrap();
-        let d = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = maxdiff(a.clone(), b);
         assert!(d < 1e-4, "kernel and reference differ by {d}");
+        // f16 caches: the kernel widens rows as it reads them; the reference gathers and
+        // converts. Same inputs (the f16-rounded caches), so only f32 rounding differs.
+        let (k16, v16) = (
+            kc.to_dtype(candle_core::DType::F16).unwrap(),
+            vc.to_dtype(candle_core::DType::F16).unwrap(),
+        );
+        let a16 = op.forward(&q, &k16, &v16).unwrap();
+        let b16 = op.forward_generic(&q, &k16, &v16).unwrap();
+        let d16 = maxdiff(a16.clone(), b16);
+        assert!(d16 < 1e-4, "f16 kernel and reference differ by {d16}");
+        // ...and the f16 cache changes the result only by its rounding.
+        let dq = maxdiff(a16, a);
+        assert!(dq > 0.0 && dq < 1e-2, "f16 vs f32 cache: {dq}");
     }
 
     #[test]

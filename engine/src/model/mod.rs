@@ -235,8 +235,7 @@ impl Model {
             }
             let q = ops::rope_thd(&q, cos, sin)?;
             let k = ops::rope_thd(&k, cos, sin)?.reshape((t, kv_dim))?;
-            kv.k[li].scatter_set(&slot_idx, &k, 0)?;
-            kv.v[li].scatter_set(&slot_idx, &v.contiguous()?, 0)?;
+            kv.write(li, &slot_idx, &k, v)?;
             let attn = PagedAttention {
                 seqs: seqs.clone(),
                 num_heads: nh,

@@ -34,13 +34,13 @@ mod tests;
 
 use crate::kv::KvCache;
 use crate::model::attention::{AttnSeq, PagedAttention};
+use crate::model::Linear;
 use crate::model::{Model, ModelConfig};
 use crate::sampling::{target_probs, Dist, SamplingParams};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::ops::rms_norm;
-use candle_nn::Linear;
 use head::{ConfidenceHead, SeqHead};
 /// Checkpoint names of the sequential and confidence heads' tensors.
 pub use head::{CONF_B, CONF_W, RNN_B, RNN_W, W1, W2};
@@ -347,7 +347,8 @@ fn param_specs(cfg: &DSparkConfig) -> Vec<ParamSpec> {
     specs
 }
 
-/// One Qwen3-style drafter layer (q/k norms, SiLU MLP), dense f32.
+/// One Qwen3-style drafter layer (q/k norms, SiLU MLP): dense f32, or Q8_0 on the CPU
+/// kernels after [`DSparkDrafter::use_cpu_kernels`].
 struct Layer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -412,7 +413,20 @@ fn select_rows(m: &QMatMul, rows: &[u32]) -> Result<QMatMul> {
 
 /// Half-split RoPE on `[T, heads, head_dim]` with per-row `cos`/`sin` `[T, head_dim / 2]`.
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    Ok(candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?.contiguous()?, cos, sin)?.squeeze(0)?)
+    Ok(crate::model::ops::rope_thd(x, cos, sin)?)
+}
+
+/// `w` `[n, k]` re-quantised to Q8_0 for the CPU kernels (dense when `k` is not a whole
+/// number of 32-blocks).
+fn q8_linear(w: &Tensor) -> Result<Linear> {
+    let (_, k) = w.dims2()?;
+    if !k.is_multiple_of(32) {
+        return Ok(Linear::dense(w.clone()));
+    }
+    Ok(Linear::from_qtensor(QTensor::quantize(
+        w,
+        candle_core::quantized::GgmlDType::Q8_0,
+    )?)?)
 }
 
 /// Scatter index writing row i into cache slot `slots[i]`.
@@ -569,7 +583,7 @@ impl DSparkDrafter {
             params.insert(spec.name, t.to_dtype(DType::F32)?.to_device(&dev)?);
         }
         let p = |name: &str| params[name].clone();
-        let lin = |name: &str| Linear::new(p(name), None);
+        let lin = |name: &str| Linear::dense(p(name));
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let n = |s: &str| format!("layers.{i}.{s}.weight");
@@ -628,6 +642,31 @@ impl DSparkDrafter {
 
     pub fn config(&self) -> &DSparkConfig {
         &self.cfg
+    }
+
+    /// Serving speed on CPU: re-quantises the backbone's matrices (fc and every layer) to
+    /// Q8_0 for the engine's matmul kernels. candle's f32 matmul repacks the whole weight on
+    /// every call, which made a 1-layer draft cost ~75 % of a target decode step. Drafts may
+    /// change by the rounding (verification keeps the output exact); `save` still writes
+    /// the original weights. No-op on other devices.
+    pub fn use_cpu_kernels(&mut self) -> Result<()> {
+        if !self.device.is_cpu() {
+            return Ok(());
+        }
+        let q8 = |name: &str| q8_linear(&self.params[name]);
+        self.fc = q8("fc.weight")?;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let n = |s: &str| format!("layers.{i}.{s}.weight");
+            l.q = q8(&n("self_attn.q_proj"))?;
+            l.k = q8(&n("self_attn.k_proj"))?;
+            l.v = q8(&n("self_attn.v_proj"))?;
+            l.o = q8(&n("self_attn.o_proj"))?;
+            l.gate = q8(&n("mlp.gate_proj"))?;
+            l.up = q8(&n("mlp.up_proj"))?;
+            l.down = q8(&n("mlp.down_proj"))?;
+        }
+        self.seq_head.use_cpu_kernels(&self.params)?;
+        Ok(())
     }
 
     /// Target layers whose outputs the drafter consumes, ascending (pass them as the target
@@ -753,8 +792,7 @@ impl DSparkDrafter {
         let ctx = rms_norm(&ctx, &self.hidden_norm, self.eps)?;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = self.key_values(l, &ctx, &cos, &sin)?;
-            kv.k[li].scatter_set(&idx, &k, 0)?;
-            kv.v[li].scatter_set(&idx, &v, 0)?;
+            kv.write(li, &idx, &k, &v)?;
         }
         Ok(())
     }
@@ -818,14 +856,18 @@ impl DSparkDrafter {
         for (li, l) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &l.input_norm, self.eps)?;
             let (k, v) = self.key_values(l, &h, &cos, &sin)?;
-            kv.k[li].scatter_set(&idx, &k, 0)?;
-            kv.v[li].scatter_set(&idx, &v, 0)?;
+            kv.write(li, &idx, &k, &v)?;
             let q = rms_norm(&l.q.forward(&h)?.reshape((t, nh, hd))?, &l.q_norm, self.eps)?;
             let a = attn.forward(&rope(&q, &cos, &sin)?, &kv.k[li], &kv.v[li])?;
             x = (x + l.o.forward(&a)?)?;
             let h = rms_norm(&x, &l.post_norm, self.eps)?;
-            let g = candle_nn::ops::silu(&l.gate.forward(&h)?)?;
-            x = (&x + l.down.forward(&(g * l.up.forward(&h)?)?)?)?;
+            let gu = crate::model::linear::forward_glu(
+                &l.gate,
+                &l.up,
+                &h,
+                crate::model::config::Activation::Silu,
+            )?;
+            x = (&x + l.down.forward(&gu)?)?;
         }
         Ok(rms_norm(&x, &self.norm, self.eps)?)
     }

@@ -3,7 +3,7 @@
 
 use super::calibrate::{collect, fit_sts};
 use super::data::{self, Dataset, DatasetMeta, GenOptions};
-use super::eval::{aggregate, generate, markdown, DomainStats, EvalDrafter};
+use super::eval::{aggregate, generate, markdown, Decoding, DomainStats, EvalDrafter};
 use super::loss::LossConfig;
 use super::model::TrainDrafter;
 use super::optim::OptimConfig;
@@ -324,6 +324,14 @@ pub struct EvalArgs {
     pub max_new_tokens: usize,
     #[arg(long, default_value_t = 7)]
     pub gamma: usize,
+    /// Sampling temperature of target and drafter (0 = greedy). Above 0, drafts are
+    /// verified by rejection sampling, so the acceptance is that of sampled decoding and the
+    /// losslessness check does not apply (outputs are random).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Seed of the sampling RNG (one stream per prompt, derived from it).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// JSON with every statistic (input of bench/plot_drafters.py).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -351,12 +359,20 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     }
     for d in &a.drafters {
         let (name, path) = split_kv(d)?;
-        let dr = DSparkDrafter::load(&path, &model)?;
+        let mut dr = DSparkDrafter::load(&path, &model)?;
+        dr.use_cpu_kernels()?;
         drafters.push((name, EvalDrafter::Model(Box::new(dr))));
     }
     if drafters.is_empty() {
         bail!("nothing to evaluate: give --drafter NAME=DIR, --ngram or --plain");
     }
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        bail!(
+            "--temperature must be a finite number >= 0, got {}",
+            a.temperature
+        );
+    }
+    let sampled = a.temperature > 0.0;
     let mut stats: Vec<DomainStats> = Vec::new();
     for dom in &a.domains {
         let (domain, file) = split_kv(dom)?;
@@ -376,23 +392,27 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
             );
             pb.set_message(format!("{domain} / {name}"));
             let mut gens = Vec::new();
-            for p in &encoded {
+            for (i, p) in encoded.iter().enumerate() {
                 gens.push(generate(
                     &model,
                     d,
                     p,
-                    a.max_new_tokens,
-                    a.gamma,
-                    &tok.stop_ids,
+                    &Decoding {
+                        max_new: a.max_new_tokens,
+                        gamma: a.gamma,
+                        stop: &tok.stop_ids,
+                        temperature: a.temperature,
+                        seed: a.seed.wrapping_add(i as u64),
+                    },
                 )?);
                 pb.inc(1);
             }
             pb.finish_and_clear();
             let mut s = aggregate(name, &domain, &gens, a.gamma);
             let outs: Vec<Vec<u32>> = gens.into_iter().map(|g| g.tokens).collect();
-            match (&plain_out, matches!(d, EvalDrafter::Plain)) {
+            match (&plain_out, matches!(d, EvalDrafter::Plain) && !sampled) {
                 (None, true) => plain_out = Some(outs),
-                (Some(po), false) => s.matches_plain = Some(*po == outs),
+                (Some(po), false) if !sampled => s.matches_plain = Some(*po == outs),
                 _ => {}
             }
             eprintln!(
@@ -412,7 +432,12 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
             "gamma": a.gamma,
             "max_new_tokens": a.max_new_tokens,
             "limit": a.limit,
-            "decoding": "greedy, single stream, every block verified in full",
+            "decoding": if sampled {
+                format!("sampled at temperature {} (rejection sampling), seed {}, single stream, every block verified in full", a.temperature, a.seed)
+            } else {
+                "greedy, single stream, every block verified in full".to_string()
+            },
+            "temperature": a.temperature,
             "stats": stats,
         });
         std::fs::write(&j, serde_json::to_string_pretty(&doc)?)

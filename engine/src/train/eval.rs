@@ -10,8 +10,8 @@
 
 use super::calibrate::{ece, reliability};
 use crate::kv::KvCache;
-use crate::model::{argmax, Model, SeqBatch};
-use crate::sampling::{Dist, SamplingParams};
+use crate::model::{Model, SeqBatch};
+use crate::sampling::{target_probs, Dist, SamplingParams};
 use crate::spec::dspark::{DSparkDrafter, DraftRequest};
 use crate::spec::ngram;
 use crate::spec::verify::verify;
@@ -45,25 +45,47 @@ pub struct Generation {
     pub forwards: usize,
     /// Wall-clock seconds of the decoding phase (after the prefill and its first token).
     pub seconds: f64,
+    /// Of which in the model drafter (`propose` and `append_context`).
+    pub draft_seconds: f64,
 }
 
-/// Greedy generation of up to `max_new` tokens after `prompt`, drafting blocks of `gamma`.
+/// Generation of up to `max_new` tokens after `prompt` (greedy or sampled), drafting blocks
+/// of `gamma` and verifying each in full.
+/// How [`generate`] decodes.
+pub struct Decoding<'a> {
+    pub max_new: usize,
+    pub gamma: usize,
+    pub stop: &'a [u32],
+    /// 0: greedy; above 0: target and drafter sample at this temperature and drafts are
+    /// verified by rejection sampling.
+    pub temperature: f32,
+    pub seed: u64,
+}
+
 pub fn generate(
     target: &Model,
     drafter: &EvalDrafter,
     prompt: &[u32],
-    max_new: usize,
-    gamma: usize,
-    stop: &[u32],
+    dec: &Decoding<'_>,
 ) -> Result<Generation> {
+    let (max_new, gamma, stop) = (dec.max_new, dec.gamma, dec.stop);
     ensure!(
         !prompt.is_empty() && max_new > 0,
         "empty prompt or no new tokens"
     );
     let dev = &target.device;
     let cap = prompt.len() + max_new + gamma + 16;
-    let tbytes = cap * KvCache::bytes_per_token(target.cfg.num_layers, target.cfg.kv_dim());
-    let mut kv = KvCache::new(target.cfg.num_layers, target.cfg.kv_dim(), tbytes, 16, dev)?;
+    // The target cache as `serve` keeps it by default (f16).
+    let f16 = candle_core::DType::F16;
+    let tbytes = cap * KvCache::bytes_per_token_as(target.cfg.num_layers, target.cfg.kv_dim(), f16);
+    let mut kv = KvCache::new_as(
+        target.cfg.num_layers,
+        target.cfg.kv_dim(),
+        tbytes,
+        16,
+        dev,
+        f16,
+    )?;
     let model = match drafter {
         EvalDrafter::Model(d) => Some(d.as_ref()),
         _ => None,
@@ -81,10 +103,10 @@ pub fn generate(
         .map(|d| d.target_layers().to_vec())
         .unwrap_or_default();
     let params = SamplingParams {
-        temperature: 0.0,
+        temperature: dec.temperature,
         ..Default::default()
     };
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let mut rng = ChaCha8Rng::seed_from_u64(dec.seed);
     let (mut table, mut dtable) = (Vec::new(), Vec::new());
     let mut t0 = Instant::now();
     let mut tokens = prompt.to_vec();
@@ -92,6 +114,7 @@ pub fn generate(
     let mut cycles = Vec::new();
     let mut forwards = 0;
     let mut first = true;
+    let mut draft_seconds = 0.0;
     loop {
         let generated = tokens.len() - prompt.len();
         if generated >= max_new || (!first && stop.contains(tokens.last().expect("non-empty"))) {
@@ -121,7 +144,9 @@ pub fn generate(
                         params: &params,
                         rng: &mut rng,
                     }];
+                    let t = Instant::now();
                     let b = d.propose(dk, target, &mut reqs)?.pop().expect("one block");
+                    draft_seconds += t.elapsed().as_secs_f64();
                     Some((b.tokens, b.q, b.confidence))
                 }
             }
@@ -152,9 +177,12 @@ pub fn generate(
         }
         let rows = out.logits.to_vec2::<f32>()?;
         let (commit, valid) = match &draft {
-            None => (vec![argmax(&rows[0])], fed.len()),
+            None => (
+                vec![target_probs(&rows[0], &params).sample(&mut rng)],
+                fed.len(),
+            ),
             Some((t, q, conf)) => {
-                let p: Vec<Dist> = rows.iter().map(|r| Dist::Greedy(argmax(r))).collect();
+                let p: Vec<Dist> = rows.iter().map(|r| target_probs(r, &params)).collect();
                 let v = verify(t, q, &p, &mut rng);
                 cycles.push(Cycle {
                     drafted: t.len(),
@@ -171,7 +199,11 @@ pub fn generate(
                 .iter()
                 .map(|h| h.narrow(0, 0, valid))
                 .collect::<candle_core::Result<_>>()?;
+            let t = Instant::now();
             d.append_context(dk, &dtable, cached, &h)?;
+            if !first {
+                draft_seconds += t.elapsed().as_secs_f64();
+            }
         }
         cached += valid;
         kv.truncate(&mut table, cached);
@@ -186,6 +218,7 @@ pub fn generate(
         }
         if first {
             t0 = Instant::now();
+            draft_seconds = 0.0;
         }
         first = false;
     }
@@ -194,6 +227,7 @@ pub fn generate(
         cycles,
         forwards,
         seconds: t0.elapsed().as_secs_f64(),
+        draft_seconds,
     })
 }
 
@@ -216,6 +250,10 @@ pub struct DomainStats {
     /// Decoding tokens/s (the prefill excluded).
     pub tokens_per_s: f64,
     pub seconds: f64,
+    /// Milliseconds in the model drafter per draft-and-verify cycle.
+    pub draft_ms_per_cycle: f64,
+    /// Milliseconds per target forward outside the drafter (verify or decode).
+    pub target_ms_per_forward: f64,
     /// Conditional reliability bins `(mean c_k, acceptance, count)` (model drafters).
     pub reliability: Vec<(f64, f64, usize)>,
     /// ECE of conditional `c_k` vs acceptance, and of `prod c` vs survival.
@@ -243,6 +281,7 @@ pub fn aggregate(drafter: &str, domain: &str, gens: &[Generation], gamma: usize)
         s.new_tokens += g.tokens.len().saturating_sub(1);
         s.forwards += g.forwards;
         s.seconds += g.seconds;
+        s.draft_ms_per_cycle += g.draft_seconds * 1e3;
         for c in &g.cycles {
             s.cycles += 1;
             block_sum += c.accepted + 1;
@@ -274,6 +313,8 @@ pub fn aggregate(drafter: &str, domain: &str, gens: &[Generation], gamma: usize)
     s.tau = s.new_tokens as f64 / s.forwards.max(1) as f64;
     s.tau_block = block_sum as f64 / s.cycles.max(1) as f64;
     s.tokens_per_s = s.new_tokens as f64 / s.seconds.max(1e-9);
+    s.target_ms_per_forward = (s.seconds * 1e3 - s.draft_ms_per_cycle) / s.forwards.max(1) as f64;
+    s.draft_ms_per_cycle /= s.cycles.max(1) as f64;
     if !cc.is_empty() {
         s.reliability = reliability(&cc, &co, 10);
         s.ece_conditional = Some(ece(&cc, &co, 15));
@@ -289,11 +330,11 @@ pub fn markdown(stats: &[DomainStats], gamma: usize) -> String {
     for k in 1..=gamma {
         out.push_str(&format!("acc@{k} | "));
     }
-    out.push_str("ECE(prod c) | tok/s | = plain |\n|---|---|---|---|");
+    out.push_str("ECE(prod c) | draft ms | target ms | tok/s | = plain |\n|---|---|---|---|");
     for _ in 0..gamma {
         out.push_str("---|");
     }
-    out.push_str("---|---|---|\n");
+    out.push_str("---|---|---|---|---|\n");
     for s in stats {
         let block = if s.cycles > 0 {
             format!("{:.2}", s.tau_block)
@@ -312,8 +353,14 @@ pub fn markdown(stats: &[DomainStats], gamma: usize) -> String {
             }
         }
         out.push_str(&format!(
-            "{} | {:.1} | {} |\n",
+            "{} | {} | {:.2} | {:.1} | {} |\n",
             s.ece_survival.map_or("-".into(), |e| format!("{:.3}", e)),
+            if s.cycles > 0 && s.draft_ms_per_cycle > 0.0 {
+                format!("{:.2}", s.draft_ms_per_cycle)
+            } else {
+                "-".into()
+            },
+            s.target_ms_per_forward,
             s.tokens_per_s,
             s.matches_plain
                 .map_or("-", |m| if m { "yes" } else { "NO" })

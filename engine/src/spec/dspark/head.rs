@@ -19,11 +19,11 @@ pub(super) enum SeqHead {
     Parallel,
     Markov {
         w1: Tensor,
-        w2: Tensor,
+        w2: crate::model::Linear,
     },
     Rnn {
         w1: Tensor,
-        w2: Tensor,
+        w2: crate::model::Linear,
         proj: Linear,
     },
 }
@@ -44,14 +44,25 @@ impl SeqHead {
             HeadKind::Parallel => SeqHead::Parallel,
             HeadKind::Markov => SeqHead::Markov {
                 w1: p(W1),
-                w2: p(W2),
+                w2: crate::model::Linear::dense(p(W2)),
             },
             HeadKind::Rnn => SeqHead::Rnn {
                 w1: p(W1),
-                w2: p(W2),
+                w2: crate::model::Linear::dense(p(W2)),
                 proj: Linear::new(p(RNN_W), Some(p(RNN_B))),
             },
         }
+    }
+
+    /// `W2` on the CPU kernels (see `DSparkDrafter::use_cpu_kernels`).
+    pub fn use_cpu_kernels(&mut self, params: &BTreeMap<String, Tensor>) -> Result<()> {
+        match self {
+            SeqHead::Parallel => {}
+            SeqHead::Markov { w2, .. } | SeqHead::Rnn { w2, .. } => {
+                *w2 = super::q8_linear(&params[W2])?;
+            }
+        }
+        Ok(())
     }
 
     /// Step k: `prev[i]` is request i's `x_{k-1}` (a target id), `rows[i]` its row of `h`
@@ -91,7 +102,7 @@ impl SeqHead {
             }
             _ => e.clone(),
         };
-        let bias = pre.matmul(&w2.t()?)?.flatten_all()?.to_vec1()?;
+        let bias = w2.forward(&pre)?.flatten_all()?.to_vec1()?;
         Ok(Step {
             prev_embedding: Some(e),
             bias: Some(bias),
