@@ -249,13 +249,14 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         startup_profile(&model, &mut kv, &costs, &device_name(&device))?;
     }
     let summary = format!(
-        "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB = {} tokens in {} blocks | max sequence {} tokens",
+        "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB {:?} = {} tokens in {} blocks | max sequence {} tokens",
         crate::VERSION,
         model.cfg.arch.name(),
         model.weights.dtype,
         model.cfg.num_layers,
         device_name(&device),
         opts.kv_cache_mb,
+        kv.dtype(),
         kv.capacity_tokens(),
         kv.total_blocks(),
         max_seq,

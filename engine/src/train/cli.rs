@@ -89,6 +89,10 @@ pub struct TrainArgs {
     pub seed: u64,
     #[arg(long, default_value_t = 50)]
     pub save_every: usize,
+    /// Warm start from this drafter checkpoint (same architecture): its weights replace the
+    /// random initialisation; the optimiser and the warm-up + cosine schedule start fresh.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -203,6 +207,7 @@ pub fn run_train(a: TrainArgs) -> Result<()> {
             clip: a.clip,
             ..Default::default()
         },
+        init: a.init.clone(),
     };
     let pb = bar(
         tc.steps as u64,

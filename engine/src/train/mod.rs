@@ -50,6 +50,10 @@ pub struct TrainConfig {
     pub heldout_frac: f64,
     pub loss: LossConfig,
     pub optim: OptimConfig,
+    /// Warm start: the drafter checkpoint folder whose weights replace the random
+    /// initialisation (fresh optimiser and schedule). Its architecture must match.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -161,6 +165,42 @@ pub struct StepReport {
     pub tokens_per_s: f64,
 }
 
+/// The weights of the checkpoint at `dir` under `cfg` (STS temperatures dropped); an error
+/// naming the difference when its architecture is not `cfg`'s.
+fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDrafter> {
+    let d = DSparkDrafter::load(dir, target)
+        .with_context(|| format!("--init {}: cannot load the drafter", dir.display()))?;
+    let c = d.config();
+    let mut want = cfg.clone();
+    want.sts_temperatures = None;
+    let mut have = c.clone();
+    have.sts_temperatures = None;
+    if have != want {
+        bail!(
+            "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {})",
+            dir.display(),
+            c.markov_head_type,
+            c.block_size,
+            c.num_hidden_layers,
+            c.markov_rank,
+            c.target_layer_ids,
+            c.draft_vocab_size(),
+            cfg.markov_head_type,
+            cfg.block_size,
+            cfg.num_hidden_layers,
+            cfg.markov_rank,
+            cfg.target_layer_ids,
+            cfg.draft_vocab_size()
+        );
+    }
+    let tensors = d
+        .tensors()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    DSparkDrafter::from_tensors(target, want, tensors, DType::F32)
+}
+
 /// Trains (or resumes) a drafter in `out`.
 pub fn train(
     target: &Model,
@@ -192,8 +232,12 @@ pub fn train(
         )
     } else {
         let cfg = new_config(target, ds, tc);
+        let d = match &tc.init {
+            None => DSparkDrafter::random(target, cfg, tc.seed)?,
+            Some(dir) => warm_start(target, cfg, dir)?,
+        };
         (
-            DSparkDrafter::random(target, cfg, tc.seed)?,
+            d,
             TrainState {
                 config: tc.clone(),
                 step: 0,

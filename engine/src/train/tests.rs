@@ -120,6 +120,7 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
             lr: 1e-2,
             ..Default::default()
         },
+        init: None,
     }
 }
 
@@ -383,7 +384,41 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     // ... and so is resuming with other settings.
     let e = train(&target, &ds, &longer, &a, 10, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("different settings"), "{e}");
-    for dir in [a, b] {
+    // A warm start from the trained run begins at its weights (one step at a negligible
+    // learning rate: the loss is the trained one up to bf16 rounding, not the random one).
+    let c = scratch_dir("run-c");
+    let warm = TrainConfig {
+        steps: 1,
+        init: Some(a.clone()),
+        optim: OptimConfig {
+            lr: 1e-9,
+            ..tc.optim
+        },
+        ..tc.clone()
+    };
+    train(&target, &ds, &warm, &c, 1, &mut |_| {}).unwrap();
+    let warm_loss = eval_loss(&c);
+    assert!(
+        (warm_loss - after).abs() < 0.25 * (before - after),
+        "warm start {warm_loss}, trained {after}, random {before}"
+    );
+    // A checkpoint of another architecture is refused, naming the difference.
+    let other_rank = TrainConfig {
+        rank: tc.rank + 4,
+        init: Some(a.clone()),
+        ..tc.clone()
+    };
+    let e = train(
+        &target,
+        &ds,
+        &other_rank,
+        &scratch_dir("run-d"),
+        1,
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("differs from this run"), "{e}");
+    for dir in [a, b, c] {
         std::fs::remove_dir_all(dir).ok();
     }
 }

@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Single-stream wall clock of speculative decoding, one sitting: plain decoding, n-gram
+lookup, the shipped DSpark drafter (and any other `--row`) served by `dspark-engine serve`,
+and llama.cpp's llama-server on the same GGUF, each driven by bench/loadgen.py at
+concurrency 1 with the same prompts (default: data/prompts/code.jsonl, HumanEval tasks the
+drafters never saw). Prints a markdown table (tokens/s per user, vs plain, vs llama.cpp,
+draft acceptance) and writes it with every loadgen JSON under --out.
+
+Usage:
+  python3 bench/spec_wallclock.py --model MODEL.gguf [--duration 30] [--temperature 0]
+      [--row 'NAME=SERVE ARGS' ...] [--no-peer] [--out DIR]
+Default rows: plain; ngram (--policy dspark --gamma 7); dspark-markov with the shipped
+drafter (--policy dspark --gamma 7). Run it on a quiet machine.
+"""
+import argparse, json, os, shlex, signal, socket, subprocess, sys, time, urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache/dspark"))
+DRAFTER = ROOT / "drafters/smollm2-135m-dspark-markov"
+DEFAULT_ROWS = [
+    "plain=--speculation none",
+    "ngram=--speculation ngram --policy dspark --gamma 7",
+    f"dspark-markov=--speculation dspark-markov --drafter {DRAFTER} --policy dspark --gamma 7",
+]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def wait_ready(url, proc, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} not ready after {timeout}s")
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def loadgen(url, args, out_json):
+    cmd = [sys.executable, str(ROOT / "bench/loadgen.py"), "--url", url, "--concurrency", "1",
+           "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+           "--temperature", str(args.temperature), "--prompts", str(args.prompts),
+           "--json-out", str(out_json)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    s = json.load(open(out_json))["summaries"][0]
+    if s["errors"]:
+        raise SystemExit(f"{url}: {s['errors']} failed requests: {s['error_kinds']}")
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--row", action="append", help="NAME=extra serve args (repeatable)")
+    ap.add_argument("--prompts", default=str(ROOT / "data/prompts/code.jsonl"))
+    ap.add_argument("--duration", type=float, default=30)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    ap.add_argument("--out", default=str(CACHE / f"bench/spec-wallclock-{time.strftime('%Y%m%d-%H%M%S')}"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    binary = os.environ.get("DSPARK_ENGINE_BIN") or str(
+        Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "release/dspark-engine")
+    rows = []
+    for spec in args.row or DEFAULT_ROWS:
+        name, extra = spec.split("=", 1)
+        port = free_port()
+        cmd = [binary, "serve", "--model", args.model, "--port", str(port), "--threads",
+               str(args.threads), "--served-model-name", "bench"] + shlex.split(extra)
+        log = open(out / f"{name}.serve.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}/ready", proc)
+            s = loadgen(f"http://127.0.0.1:{port}", args, out / f"{name}.json")
+        finally:
+            stop(proc)
+        rows.append((name, extra, s))
+        print(f"# {name}: {s['per_user_tok_s_p50']:.1f} tok/s per user", flush=True)
+    if not args.no_peer:
+        v = os.environ.get("LLAMA_CPP_PY_VERSION", "0.3.36")
+        server = CACHE / f"llama.cpp/{v}/bin/llama-server"
+        port = free_port()
+        cmd = [str(server), "-m", args.model, "--host", "127.0.0.1", "--port", str(port),
+               "-np", "1", "-c", "4096", "-t", str(args.threads), "-tb", str(args.threads),
+               "--no-webui"]
+        log = open(out / "llama-server.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}/health", proc)
+            s = loadgen(f"http://127.0.0.1:{port}", args, out / "llama-server.json")
+        finally:
+            stop(proc)
+        rows.append(("llama.cpp llama-server", " ".join(cmd[3:]), s))
+        print(f"# llama-server: {s['per_user_tok_s_p50']:.1f} tok/s per user", flush=True)
+    plain = next((s["per_user_tok_s_p50"] for n, _, s in rows if n == "plain"), None)
+    peer = rows[-1][2]["per_user_tok_s_p50"] if not args.no_peer else None
+    lines = [f"Single stream, {Path(args.prompts).name}, temperature {args.temperature}, "
+             f"max_tokens {args.max_tokens}, {args.duration:g} s per row, {args.threads} threads, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}", "",
+             "| setup | tok/s per user (p50) | vs plain | vs llama.cpp | draft acceptance | requests |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, extra, s in rows:
+        r = s["per_user_tok_s_p50"]
+        acc = s.get("acceptance")
+        lines.append(
+            f"| {name} (`{extra}`) | {r:.1f} | {r / plain:.2f}x | "
+            f"{(r / peer if peer else float('nan')):.2f}x | "
+            f"{'-' if acc is None else f'{100 * acc:.1f} %'} | {s['ok']} |"
+            if plain else f"| {name} | {r:.1f} | - | - | - | {s['ok']} |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    print(f"# results in {out}")
+
+
+if __name__ == "__main__":
+    main()
