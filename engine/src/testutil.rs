@@ -24,6 +24,18 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// `max |a - b|` over all elements (same shapes).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 pub fn uniform(rng: &mut ChaCha8Rng, shape: &[usize], bound: f32) -> Tensor {
     let n = shape.iter().product();
     let data: Vec<f32> = (0..n).map(|_| rng.random_range(-bound..=bound)).collect();

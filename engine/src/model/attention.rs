@@ -521,16 +521,7 @@ mod tests {
             window,
             causal,
         };
-        let maxdiff = |a: Tensor, b: Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        };
+        let maxdiff = |a: Tensor, b: Tensor| crate::testutil::max_abs_diff(&a, &b);
         let a = op.forward(&q, &kc, &vc).unwrap();
         let b = op.forward_generic(&q, &kc, &vc).unwrap();
         let d = maxdiff(a.clone(), b);

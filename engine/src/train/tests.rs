@@ -354,14 +354,7 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     let va = candle_core::safetensors::load(a.join(VARS), &Device::Cpu).unwrap();
     let vb = candle_core::safetensors::load(b.join(VARS), &Device::Cpu).unwrap();
     for (k, x) in &va {
-        let diff = (x - &vb[k])
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = crate::testutil::max_abs_diff(x, &vb[k]);
         assert!(diff < 1e-6, "{k} differs after resume by {diff}");
     }
     // The serving checkpoint loads and carries the trained (bf16-rounded) weights.

@@ -363,14 +363,7 @@ fn batched_backbone_matches_the_dense_equations() {
         0,
     )
     .unwrap();
-    let diff = (h - want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = crate::testutil::max_abs_diff(&h, &want);
     assert!(
         diff < 1e-4,
         "paged batched backbone differs from the dense equations by {diff}"
