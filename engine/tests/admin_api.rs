@@ -290,6 +290,11 @@ fn the_dspark_policy_skips_a_drafter_that_does_not_pay() {
         &m,
         "dspark_spec_decode_num_drafts_total{model_name=\"smollm2\"}",
     );
-    assert!(skipped >= 12.0, "skipped {skipped} of ~24 steps\n{m}");
-    assert!((1.0..=6.0).contains(&drafts), "drafts {drafts}\n{m}");
+    // 23 decode steps after the prefill's token: most skip the drafter, and at least one
+    // probes it (the probe's drafts may or may not be worth verifying).
+    assert!(
+        (12.0..=22.0).contains(&skipped),
+        "skipped {skipped} of 23 steps\n{m}"
+    );
+    assert!(drafts <= 6.0, "drafts {drafts}\n{m}");
 }
