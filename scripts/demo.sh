@@ -16,7 +16,7 @@ esac
 if [ -n "${DEMO_SPECULATION:-}" ]; then
   SPEC=(--speculation "$DEMO_SPECULATION")
 elif [ -n "$DRAFTER" ] && [ -f "$DRAFTER/model.safetensors" ]; then
-  SPEC=(--speculation dspark-markov --drafter "$DRAFTER" --policy dspark --gamma 4)
+  SPEC=(--speculation dspark-markov --drafter "$DRAFTER" --policy dspark --gamma 3)
   echo "speculative decoding with the shipped drafter $DRAFTER (DEMO_SPECULATION=none to disable)"
 fi
 "$BIN" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" "${SPEC[@]}" >"$LOG" 2>&1 &
