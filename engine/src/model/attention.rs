@@ -159,6 +159,29 @@ impl PagedAttention {
             p = end;
         }
     }
+
+    /// `(sequence, first row, rows)` chunks of at most 8 query rows, halved until there are
+    /// at least two tasks per pool thread (or one row per chunk).
+    fn row_chunks(&self, threads: usize) -> Vec<(usize, usize, usize)> {
+        let mut rc = 8;
+        loop {
+            let n: usize = self.seqs.iter().map(|s| s.q_len.div_ceil(rc)).sum();
+            if rc == 1 || n * self.num_kv_heads >= 2 * threads {
+                break;
+            }
+            rc /= 2;
+        }
+        let mut chunks = Vec::new();
+        for (si, s) in self.seqs.iter().enumerate() {
+            let mut r = 0;
+            while r < s.q_len {
+                let nr = rc.min(s.q_len - r);
+                chunks.push((si, r, nr));
+                r += nr;
+            }
+        }
+        chunks
+    }
 }
 
 impl CustomOp3 for PagedAttention {
@@ -303,31 +326,6 @@ impl CacheRows<'_> {
                 (buf, local)
             }
         }
-    }
-}
-
-impl PagedAttention {
-    /// `(sequence, first row, rows)` chunks of at most 8 query rows, halved until there are
-    /// at least two tasks per pool thread (or one row per chunk).
-    fn row_chunks(&self, threads: usize) -> Vec<(usize, usize, usize)> {
-        let mut rc = 8;
-        loop {
-            let n: usize = self.seqs.iter().map(|s| s.q_len.div_ceil(rc)).sum();
-            if rc == 1 || n * self.num_kv_heads >= 2 * threads {
-                break;
-            }
-            rc /= 2;
-        }
-        let mut chunks = Vec::new();
-        for (si, s) in self.seqs.iter().enumerate() {
-            let mut r = 0;
-            while r < s.q_len {
-                let nr = rc.min(s.q_len - r);
-                chunks.push((si, r, nr));
-                r += nr;
-            }
-        }
-        chunks
     }
 }
 
