@@ -167,6 +167,8 @@ struct Seq {
     accepted_tokens: usize,
     /// Block table of this sequence in the drafter's context cache.
     draft_blocks: Vec<u32>,
+    /// The drafter's context feature of the last position fed (context-input drafters).
+    draft_ctx: Option<candle_core::Tensor>,
     /// A deterministic draft that was not verified (the policy chose length 0), kept to be
     /// checked against the tokens the target commits next: `(position of its first token,
     /// tokens)`. For a point-mass draft the chance that the target's own token matches is
@@ -313,6 +315,7 @@ impl Engine {
             draft_tokens: 0,
             accepted_tokens: 0,
             draft_blocks: Vec::new(),
+            draft_ctx: None,
             shadow: None,
             phase: tracing::info_span!(target: TRACE_TARGET, parent: &req.span, "phase", otel.name = "queue"),
             req,
@@ -337,6 +340,7 @@ impl Engine {
         if let Some(d) = &mut self.drafter {
             d.kv.truncate(&mut s.draft_blocks, 0);
         }
+        s.draft_ctx = None;
         s.cached = 0;
     }
 
@@ -688,6 +692,7 @@ impl Engine {
                 gamma: g,
                 params: &s.req.params,
                 rng: &mut s.rng,
+                last_context: s.draft_ctx.as_ref(),
             })
             .collect();
         let t0 = std::time::Instant::now();
@@ -975,7 +980,8 @@ fn feed_drafter(
         .iter()
         .map(|h| h.narrow(0, first_row, n))
         .collect::<candle_core::Result<_>>()?;
-    d.model
+    s.draft_ctx = d
+        .model
         .append_context(&mut d.kv, &s.draft_blocks, s.cached, &rows)?;
     Ok(())
 }

@@ -100,9 +100,25 @@ pub struct DSparkConfig {
     /// (temperature 1, unfiltered) softmax of the drafter's logits.
     #[serde(default = "default_true")]
     pub enable_confidence_head: bool,
-    /// Per-position STS temperatures `T_k`, `block_size` of them.
+    /// Adds the last context feature `c_{a-1}` (the target's state one position before the
+    /// anchor, after `fc` and `hidden_norm`) to the input of every block row, EAGLE-style, on
+    /// top of the KV injection. Not in the DFlash/DSpark reference (a 1-layer backbone finds
+    /// that row by attention only approximately); no extra parameters.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub context_input: bool,
+    /// Per-position STS temperatures `T_k`, `block_size` of them, fitted against sampled
+    /// (temperature 1) acceptance; used for sampled requests, and for greedy ones when
+    /// `sts_temperatures_greedy` is absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sts_temperatures: Option<Vec<f32>>,
+    /// Per-position STS temperatures fitted against greedy acceptance (argmax match), used
+    /// for greedy requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sts_temperatures_greedy: Option<Vec<f32>>,
+    /// Per-position logit offsets `b_k` of the greedy calibration:
+    /// `c_k = sigmoid(z_k / T_k + b_k)` (absent: 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sts_offsets_greedy: Option<Vec<f32>>,
     /// Reduced draft vocabulary: target ids the draft LM head (and `W2`) cover, in row order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_vocab: Option<Vec<u32>>,
@@ -218,6 +234,8 @@ impl DSparkConfig {
             ));
         }
         check_sts(self.block_size, self.sts_temperatures.as_deref())?;
+        check_sts(self.block_size, self.sts_temperatures_greedy.as_deref())?;
+        check_offsets(self.block_size, self.sts_offsets_greedy.as_deref())?;
         if let Some(vocab) = &self.draft_vocab {
             if vocab.is_empty() {
                 return Err("draft_vocab is empty".into());
@@ -249,6 +267,19 @@ fn check_sts(block_size: usize, temps: Option<&[f32]>) -> std::result::Result<()
     }
 }
 
+fn check_offsets(block_size: usize, offsets: Option<&[f32]>) -> std::result::Result<(), String> {
+    match offsets {
+        Some(b) if b.len() != block_size => Err(format!(
+            "sts_offsets_greedy has {} entries, expected block_size = {block_size}",
+            b.len()
+        )),
+        Some(b) if b.iter().any(|x| !x.is_finite()) => {
+            Err(format!("sts_offsets_greedy {b:?} must be finite"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// One request's drafting input.
 pub struct DraftRequest<'a> {
     /// Last committed token `x_0`.
@@ -261,6 +292,9 @@ pub struct DraftRequest<'a> {
     pub gamma: usize,
     pub params: &'a SamplingParams,
     pub rng: &'a mut ChaCha8Rng,
+    /// The context feature of position `anchor_pos - 1` as returned by the last
+    /// [`DSparkDrafter::append_context`]; required when the config has `context_input`.
+    pub last_context: Option<&'a Tensor>,
 }
 
 /// One drafted block: `tokens[k]` is the k-th token after the anchor, drawn from `q[k]` (a
@@ -464,7 +498,10 @@ impl DSparkDrafter {
             markov_rank: default_rank(),
             markov_head_type: head,
             enable_confidence_head: true,
+            context_input: false,
             sts_temperatures: None,
+            sts_temperatures_greedy: None,
+            sts_offsets_greedy: None,
             draft_vocab: None,
         }
     }
@@ -675,11 +712,35 @@ impl DSparkDrafter {
         &self.cfg.target_layer_ids
     }
 
-    /// Sets (or clears) the per-position STS temperatures, e.g. after calibration.
+    /// Sets (or clears) the per-position STS temperatures for sampled requests (and greedy
+    /// ones without their own), e.g. after calibration.
     pub fn set_sts_temperatures(&mut self, temps: Option<Vec<f32>>) -> Result<()> {
         check_sts(self.cfg.block_size, temps.as_deref()).map_err(anyhow::Error::msg)?;
         self.cfg.sts_temperatures = temps;
         Ok(())
+    }
+
+    /// Sets (or clears) the per-position calibration of greedy requests: temperatures and
+    /// logit offsets.
+    pub fn set_sts_greedy(
+        &mut self,
+        temps: Option<Vec<f32>>,
+        offsets: Option<Vec<f32>>,
+    ) -> Result<()> {
+        check_sts(self.cfg.block_size, temps.as_deref()).map_err(anyhow::Error::msg)?;
+        check_offsets(self.cfg.block_size, offsets.as_deref()).map_err(anyhow::Error::msg)?;
+        self.cfg.sts_temperatures_greedy = temps;
+        self.cfg.sts_offsets_greedy = offsets;
+        Ok(())
+    }
+
+    /// Position `k`'s calibration `(T_k, b_k)` for a request in this decoding mode.
+    fn sts_for(&self, greedy: bool, k: usize) -> (f32, f32) {
+        let c = &self.cfg;
+        match (greedy, &c.sts_temperatures_greedy) {
+            (true, Some(t)) => (t[k], c.sts_offsets_greedy.as_ref().map_or(0.0, |b| b[k])),
+            _ => (c.sts_temperatures.as_ref().map_or(1.0, |t| t[k]), 0.0),
+        }
     }
 
     fn kv_dim(&self) -> usize {
@@ -746,14 +807,15 @@ impl DSparkDrafter {
     /// Context features of committed tokens at positions `[start, start + n)`: `hidden[i]` is
     /// the target's output of `target_layers()[i]` for those tokens (`[n, hidden]` each).
     /// Computes `hidden_norm(fc(concat))` and writes every drafter layer's keys/values into
-    /// the slots of `table` (which must cover `start + n`).
+    /// the slots of `table` (which must cover `start + n`). With `context_input`, returns the
+    /// feature of the last position (`[hidden]`) for the next [`DraftRequest::last_context`].
     pub fn append_context(
         &self,
         kv: &mut KvCache,
         table: &[u32],
         start: usize,
         hidden: &[Tensor],
-    ) -> Result<()> {
+    ) -> Result<Option<Tensor>> {
         self.check_cache(kv)?;
         if hidden.len() != self.cfg.target_layer_ids.len() {
             bail!(
@@ -773,7 +835,7 @@ impl DSparkDrafter {
             }
         }
         if n == 0 {
-            return Ok(());
+            return Ok(None);
         }
         if table.len() * kv.block_size < start + n {
             bail!(
@@ -794,7 +856,11 @@ impl DSparkDrafter {
             let (k, v) = self.key_values(l, &ctx, &cos, &sin)?;
             kv.write(li, &idx, &k, &v)?;
         }
-        Ok(())
+        Ok(if self.cfg.context_input {
+            Some(ctx.get(n - 1)?)
+        } else {
+            None
+        })
     }
 
     /// The parallel backbone over all requests' blocks in one batched forward: returns the
@@ -840,6 +906,19 @@ impl DSparkDrafter {
             0,
         )?;
         let mut x = inputs.index_select(&Tensor::new(embed_idx.as_slice(), dev)?, 0)?;
+        if cfg.context_input {
+            let rows = reqs
+                .iter()
+                .map(|r| {
+                    let c = r.last_context.context(
+                        "this drafter (context_input) needs each request's last context feature",
+                    )?;
+                    Ok(c.reshape((1, cfg.hidden_size))?
+                        .broadcast_as((r.gamma, cfg.hidden_size))?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            x = (x + Tensor::cat(&rows, 0)?)?;
+        }
         let (cos, sin) = self.rope_at(&positions)?;
         let idx = slot_index(&slots, self.kv_dim(), dev)?;
         let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
@@ -969,12 +1048,12 @@ impl DSparkDrafter {
                     (Some(c), Some(zh)) => zh[row] + conf_e.as_ref().map_or(0.0, |e| e[i]) + c.bias,
                     _ => head::raw_logit(&logits, x),
                 };
-                let t_k = self.cfg.sts_temperatures.as_ref().map_or(1.0, |t| t[k]);
+                let (t_k, b_k) = self.sts_for(matches!(q, Dist::Greedy(_)), k);
                 let (tok, q) = self.to_target_vocab(x, q);
                 let blk = &mut blocks[i];
                 blk.tokens.push(tok);
                 blk.q.push(q);
-                blk.confidence.push(sigmoid(z / t_k));
+                blk.confidence.push(sigmoid(z / t_k + b_k));
                 prev[i] = tok;
             }
         }

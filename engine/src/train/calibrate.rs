@@ -1,16 +1,24 @@
 //! Sequential Temperature Scaling (`shared/method.md`): on held-out blocks, left to right
 //! over block positions, choose `T_k` from a log grid to minimise the expected calibration
 //! error of the prefix survival estimate `a_k = prod_{i<=k} sigmoid(z_i / T_i)` against the
-//! observed survival `s_k = prod_{i<=k} accepted_i`, keeping the earlier `T_i` fixed.
-//! Dividing a logit by a positive `T` is monotone, so the ranking of confidences at each
-//! position never changes.
+//! observed survival `s_k`, keeping the earlier `T_i` fixed. Dividing a logit by a positive
+//! `T` is monotone, so the ranking of confidences at each position never changes.
 //!
-//! Acceptance here is the greedy verification rule (the draft's argmax equals the target's
-//! greedy token), matching greedily regenerated data.
+//! Survival depends on the decoding mode, so there is one fit per [`Mode`] (greedy adds a
+//! per-position logit offset, see [`fit_sts`]):
+//! - greedy: `s_k = prod_{i<=k} [argmax q_i == argmax p_i]` (the data is the target's greedy
+//!   continuation, so the data token is `argmax p_i`);
+//! - sampled (temperature 1, rejection sampling): `s_k = prod_{i<=k} c*_i` with
+//!   `c*_i = sum_x min(p_i(x), q_i(x))`, the expected survival of a block drafted from `q` (the
+//!   confidence head's training target). Blocks are teacher-forced on the data tokens.
+//!
+//! The same pass measures teacher-forced acceptance: per-position conditional acceptance and
+//! `tau = 1 + sum_k s_k` per mode, a cheap held-out proxy for the decoding-time `eval`.
 
 use super::data::Dataset;
+use super::loss::acceptance_rate;
 use super::model::{Blocks, TrainDrafter};
-use super::{pick_anchors, VocabMap};
+use super::{pick_anchors, targets, VocabMap};
 use crate::model::Model;
 use anyhow::{ensure, Result};
 use candle_core::{DType, D};
@@ -18,11 +26,30 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-/// Per held-out block: confidence logits `z[k]` and greedy acceptance `ok[k]`.
+/// Per held-out block: confidence logits `z[k]`, greedy acceptance `ok[k]` and the
+/// temperature-1 acceptance probability `soft[k] = c*_k`.
 #[derive(Debug, Clone, Default)]
 pub struct Samples {
     pub z: Vec<Vec<f32>>,
     pub ok: Vec<Vec<bool>>,
+    pub soft: Vec<Vec<f32>>,
+}
+
+/// The decoding mode a calibration is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Greedy,
+    Sampled,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Greedy => "greedy",
+            Mode::Sampled => "sampled (T = 1)",
+        }
+    }
 }
 
 pub fn sigmoid(z: f64) -> f64 {
@@ -61,15 +88,16 @@ pub fn reliability(conf: &[f64], obs: &[f64], bins: usize) -> Vec<(f64, f64, usi
         .collect()
 }
 
-/// Cumulative survival estimates `a_k` of every sample under temperatures `t`.
-pub fn survival_estimates(s: &Samples, t: &[f64]) -> Vec<Vec<f64>> {
+/// Cumulative survival estimates `a_k` of every sample under temperatures `t` and logit
+/// offsets `b`.
+pub fn survival_estimates(s: &Samples, t: &[f64], b: &[f64]) -> Vec<Vec<f64>> {
     s.z.iter()
         .map(|z| {
             let mut a = 1.0;
             z.iter()
-                .zip(t)
-                .map(|(&z, &tk)| {
-                    a *= sigmoid(z as f64 / tk);
+                .zip(t.iter().zip(b))
+                .map(|(&z, (&tk, &bk))| {
+                    a *= sigmoid(z as f64 / tk + bk);
                     a
                 })
                 .collect()
@@ -77,26 +105,68 @@ pub fn survival_estimates(s: &Samples, t: &[f64]) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// Observed survival `s_k` of every sample.
-pub fn observed_survival(s: &Samples) -> Vec<Vec<f64>> {
-    s.ok.iter()
-        .map(|ok| {
-            let mut alive = 1.0;
-            ok.iter()
-                .map(|&o| {
-                    if !o {
-                        alive = 0.0;
-                    }
-                    alive
-                })
-                .collect()
+/// Observed survival `s_k` of every sample under `mode`.
+pub fn observed_survival(s: &Samples, mode: Mode) -> Vec<Vec<f64>> {
+    let prod = |x: &mut dyn Iterator<Item = f64>| -> Vec<f64> {
+        let mut alive = 1.0;
+        x.map(|v| {
+            alive *= v;
+            alive
         })
         .collect()
+    };
+    match mode {
+        Mode::Greedy => {
+            s.ok.iter()
+                .map(|ok| prod(&mut ok.iter().map(|&o| if o { 1.0 } else { 0.0 })))
+                .collect()
+        }
+        Mode::Sampled => s
+            .soft
+            .iter()
+            .map(|c| prod(&mut c.iter().map(|&v| v as f64)))
+            .collect(),
+    }
+}
+
+/// Teacher-forced acceptance under one mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct Acceptance {
+    /// `E[s_k] / E[s_{k-1}]`: acceptance at position k given all earlier ones passed.
+    pub conditional: Vec<f64>,
+    /// `1 + sum_k E[s_k]`: committed tokens per cycle with every block verified in full.
+    pub tau: f64,
+}
+
+pub fn acceptance(s: &Samples, mode: Mode) -> Acceptance {
+    let obs = observed_survival(s, mode);
+    let n = obs.len().max(1) as f64;
+    let gamma = obs.first().map_or(0, Vec::len);
+    let mean: Vec<f64> = (0..gamma)
+        .map(|k| obs.iter().map(|r| r[k]).sum::<f64>() / n)
+        .collect();
+    let conditional = (0..gamma)
+        .map(|k| {
+            let before = if k == 0 { 1.0 } else { mean[k - 1] };
+            if before > 0.0 {
+                mean[k] / before
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Acceptance {
+        conditional,
+        tau: 1.0 + mean.iter().sum::<f64>(),
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct StsReport {
+    pub mode: Mode,
     pub temperatures: Vec<f64>,
+    /// Logit offsets `b_k` (all 0 in sampled mode).
+    pub offsets: Vec<f64>,
     /// ECE of `a_k` per position, before (T = 1) and after.
     pub ece_before: Vec<f64>,
     pub ece_after: Vec<f64>,
@@ -109,8 +179,8 @@ pub struct StsReport {
 const BINS: usize = 15;
 /// Least ECE improvement for a temperature other than 1.
 const MIN_GAIN: f64 = 1e-4;
-/// Least observed survivals at a position to fit its temperature.
-const MIN_SURVIVORS: usize = 20;
+/// Least observed survival mass at a position to fit its temperature.
+const MIN_SURVIVORS: f64 = 20.0;
 
 fn column(v: &[Vec<f64>], k: usize) -> Vec<f64> {
     v.iter().map(|r| r[k]).collect()
@@ -122,56 +192,63 @@ fn pooled_ece(a: &[Vec<f64>], s: &[Vec<f64>]) -> f64 {
     ece(&a, &s, BINS)
 }
 
-/// Fits the per-position temperatures, left to right.
-pub fn fit_sts(s: &Samples) -> Result<StsReport> {
+/// Fits the per-position temperatures for `mode`, left to right. In greedy mode each
+/// position also gets a logit offset `b_k` (`c_k <- sigmoid(z_k / T_k + b_k)`, a 2-D grid):
+/// the head is trained on the temperature-1 acceptance `c*`, which greedy acceptance
+/// exceeds by a roughly constant margin that no temperature can remove. Both maps are
+/// increasing in `z`, so rankings at a position never change.
+pub fn fit_sts(s: &Samples, mode: Mode) -> Result<StsReport> {
     ensure!(!s.z.is_empty(), "no calibration samples");
     let gamma = s.z[0].len();
     let grid: Vec<f64> = (0..=160)
         .map(|i| (0.05f64.ln() + i as f64 * (20f64.ln() - 0.05f64.ln()) / 160.0).exp())
         .chain([1.0])
         .collect();
-    let obs = observed_survival(s);
-    let mut t = vec![1.0; gamma];
-    let before = survival_estimates(s, &t);
-    // Survival estimate up to k - 1 under the temperatures fixed so far.
+    let offsets: Vec<f64> = match mode {
+        Mode::Greedy => (-30..=30).map(|i| i as f64 * 0.05).collect(),
+        Mode::Sampled => vec![0.0],
+    };
+    let obs = observed_survival(s, mode);
+    let (mut t, mut b) = (vec![1.0; gamma], vec![0.0; gamma]);
+    let before = survival_estimates(s, &t, &b);
+    // Survival estimate up to k - 1 under the maps fixed so far.
     let mut prefix = vec![1.0f64; s.z.len()];
     for k in 0..gamma {
         let o = column(&obs, k);
-        let mut best = (f64::INFINITY, 1.0f64);
-        for &tk in &grid {
+        let ece_at = |tk: f64, bk: f64| {
             let a: Vec<f64> =
                 s.z.iter()
                     .zip(&prefix)
-                    .map(|(z, &p)| p * sigmoid(z[k] as f64 / tk))
-                    .collect();
-            let e = ece(&a, &o, BINS);
-            // Ties prefer T closest to 1.
-            if e < best.0 - 1e-12 || (e <= best.0 + 1e-12 && tk.ln().abs() < best.1.ln().abs()) {
-                best = (e, tk);
-            }
-        }
-        // Keep T = 1 unless the grid clearly helps (positions almost nobody reaches have
-        // too few survivals to fit a temperature on).
-        let e1 = {
-            let a: Vec<f64> =
-                s.z.iter()
-                    .zip(&prefix)
-                    .map(|(z, &p)| p * sigmoid(z[k] as f64))
+                    .map(|(z, &p)| p * sigmoid(z[k] as f64 / tk + bk))
                     .collect();
             ece(&a, &o, BINS)
         };
-        let survivors = o.iter().filter(|&&x| x > 0.0).count();
-        t[k] = if best.0 < e1 - MIN_GAIN && survivors >= MIN_SURVIVORS {
-            best.1
-        } else {
-            1.0
-        };
+        // Ties prefer the map closest to the identity.
+        let dist = |tk: f64, bk: f64| tk.ln().abs() + bk.abs();
+        let mut best = (f64::INFINITY, 1.0f64, 0.0f64);
+        for &bk in &offsets {
+            for &tk in &grid {
+                let e = ece_at(tk, bk);
+                if e < best.0 - 1e-12
+                    || (e <= best.0 + 1e-12 && dist(tk, bk) < dist(best.1, best.2))
+                {
+                    best = (e, tk, bk);
+                }
+            }
+        }
+        // Keep the identity unless the grid clearly helps (positions almost nobody reaches
+        // have too little survival to fit on).
+        let survivors: f64 = o.iter().sum();
+        if best.0 < ece_at(1.0, 0.0) - MIN_GAIN && survivors >= MIN_SURVIVORS {
+            (t[k], b[k]) = (best.1, best.2);
+        }
         for (p, z) in prefix.iter_mut().zip(&s.z) {
-            *p *= sigmoid(z[k] as f64 / t[k]);
+            *p *= sigmoid(z[k] as f64 / t[k] + b[k]);
         }
     }
-    let after = survival_estimates(s, &t);
+    let after = survival_estimates(s, &t, &b);
     Ok(StsReport {
+        mode,
         ece_before: (0..gamma)
             .map(|k| ece(&column(&before, k), &column(&obs, k), BINS))
             .collect(),
@@ -181,6 +258,7 @@ pub fn fit_sts(s: &Samples) -> Result<StsReport> {
         ece_all_before: pooled_ece(&before, &obs),
         ece_all_after: pooled_ece(&after, &obs),
         temperatures: t,
+        offsets: b,
         blocks: s.z.len(),
     })
 }
@@ -225,17 +303,17 @@ pub fn collect(
             .argmax(D::Minus1)?
             .to_dtype(DType::U32)?
             .to_vec1()?;
+        let t = targets(s, &a, gamma, ds.meta.topk, &vm)?;
+        let c_star: Vec<f32> = acceptance_rate(&o.logits, &t.p)?.to_vec1()?;
         let z: Vec<f32> = o.conf_logit.expect("checked").to_vec1()?;
         for (bi, &anc) in a.iter().enumerate() {
-            let mut zs = Vec::with_capacity(gamma);
-            let mut ok = Vec::with_capacity(gamma);
-            for j in 0..gamma {
-                let r = bi * gamma + j;
-                zs.push(z[r]);
-                ok.push(vm.rows.get(&s.tokens[anc + j + 1]) == Some(&am[r]));
-            }
-            out.z.push(zs);
-            out.ok.push(ok);
+            let rows = bi * gamma..(bi + 1) * gamma;
+            out.z.push(z[rows.clone()].to_vec());
+            out.soft.push(c_star[rows.clone()].to_vec());
+            out.ok.push(
+                rows.map(|r| vm.rows.get(&s.tokens[anc + r - bi * gamma + 1]) == Some(&am[r]))
+                    .collect(),
+            );
         }
     }
     Ok(out)

@@ -1,7 +1,7 @@
 //! The `train`, `calibrate` and `eval` subcommands (argument structs and drivers; `main.rs`
 //! only dispatches here).
 
-use super::calibrate::{collect, fit_sts};
+use super::calibrate::{acceptance, collect, fit_sts, Mode};
 use super::data::{self, Dataset, DatasetMeta, GenOptions};
 use super::eval::{aggregate, generate, markdown, Decoding, DomainStats, EvalDrafter};
 use super::loss::LossConfig;
@@ -93,6 +93,9 @@ pub struct TrainArgs {
     /// random initialisation; the optimiser and the warm-up + cosine schedule start fresh.
     #[arg(long)]
     pub init: Option<PathBuf>,
+    /// Also add the last context feature to every block row's input (EAGLE-style).
+    #[arg(long)]
+    pub context_input: bool,
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -208,6 +211,7 @@ pub fn run_train(a: TrainArgs) -> Result<()> {
             ..Default::default()
         },
         init: a.init.clone(),
+        context_input: a.context_input,
     };
     let pb = bar(
         tc.steps as u64,
@@ -272,36 +276,52 @@ pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
     ds.check_fits(&model, d.target_layers())?;
     d.set_sts_temperatures(None)?;
+    d.set_sts_greedy(None, None)?;
     let td = TrainDrafter::new(&model, &d)?;
     let (_, held) = ds.split(a.heldout);
     let samples = collect(&model, &td, &ds, &held, a.anchors, 17)?;
-    let r = fit_sts(&samples)?;
     println!(
-        "STS on {} held-out blocks ({} sequences)",
-        r.blocks,
+        "STS on {} held-out blocks ({} sequences), teacher-forced",
+        samples.z.len(),
         held.len()
     );
-    println!("| position k | T_k | ECE(prod c) before | after |\n|---|---|---|---|");
-    for k in 0..r.temperatures.len() {
+    let mut reports = Vec::new();
+    for mode in [Mode::Sampled, Mode::Greedy] {
+        let r = fit_sts(&samples, mode)?;
+        let acc = acceptance(&samples, mode);
         println!(
-            "| {} | {:.3} | {:.4} | {:.4} |",
-            k + 1,
-            r.temperatures[k],
-            r.ece_before[k],
-            r.ece_after[k]
+            "\n{}: tau {:.3}\n| position k | acceptance given earlier | T_k | b_k | ECE(prod c) before | after |\n|---|---|---|---|---|---|",
+            mode.name(),
+            acc.tau
         );
+        for k in 0..r.temperatures.len() {
+            println!(
+                "| {} | {:.3} | {:.3} | {:+.2} | {:.4} | {:.4} |",
+                k + 1,
+                acc.conditional[k],
+                r.temperatures[k],
+                r.offsets[k],
+                r.ece_before[k],
+                r.ece_after[k]
+            );
+        }
+        println!(
+            "| all | | | | {:.4} | {:.4} |",
+            r.ece_all_before, r.ece_all_after
+        );
+        let f32s = |v: &[f64]| Some(v.iter().map(|&t| t as f32).collect());
+        match mode {
+            Mode::Sampled => d.set_sts_temperatures(f32s(&r.temperatures))?,
+            Mode::Greedy => d.set_sts_greedy(f32s(&r.temperatures), f32s(&r.offsets))?,
+        }
+        reports.push(serde_json::json!({ "sts": r, "acceptance": acc }));
     }
-    println!(
-        "| all | | {:.4} | {:.4} |",
-        r.ece_all_before, r.ece_all_after
-    );
-    d.set_sts_temperatures(Some(r.temperatures.iter().map(|&t| t as f32).collect()))?;
     // Rewrite config.json only: the weights are unchanged.
     let cfg_path = a.drafter.join("config.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(d.config())?)
         .with_context(|| format!("cannot write {}", cfg_path.display()))?;
     if let Some(j) = a.json {
-        std::fs::write(&j, serde_json::to_string_pretty(&r)?)?;
+        std::fs::write(&j, serde_json::to_string_pretty(&reports)?)?;
     }
     Ok(())
 }

@@ -111,6 +111,7 @@ pub fn generate(
     let mut t0 = Instant::now();
     let mut tokens = prompt.to_vec();
     let mut cached = 0usize;
+    let mut last_ctx = None;
     let mut cycles = Vec::new();
     let mut forwards = 0;
     let mut first = true;
@@ -143,6 +144,7 @@ pub fn generate(
                         gamma: g,
                         params: &params,
                         rng: &mut rng,
+                        last_context: last_ctx.as_ref(),
                     }];
                     let t = Instant::now();
                     let b = d.propose(dk, target, &mut reqs)?.pop().expect("one block");
@@ -200,7 +202,7 @@ pub fn generate(
                 .map(|h| h.narrow(0, 0, valid))
                 .collect::<candle_core::Result<_>>()?;
             let t = Instant::now();
-            d.append_context(dk, &dtable, cached, &h)?;
+            last_ctx = d.append_context(dk, &dtable, cached, &h)?;
             if !first {
                 draft_seconds += t.elapsed().as_secs_f64();
             }

@@ -50,6 +50,9 @@ pub struct TrainConfig {
     pub heldout_frac: f64,
     pub loss: LossConfig,
     pub optim: OptimConfig,
+    /// [`DSparkConfig::context_input`].
+    #[serde(default)]
+    pub context_input: bool,
     /// Warm start: the drafter checkpoint folder whose weights replace the random
     /// initialisation (fresh optimiser and schedule). Its architecture must match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,6 +152,7 @@ pub fn new_config(target: &Model, ds: &Dataset, tc: &TrainConfig) -> DSparkConfi
     let mut cfg = DSparkDrafter::default_config(target, tc.head, tc.block_size);
     cfg.num_hidden_layers = tc.layers;
     cfg.markov_rank = tc.rank;
+    cfg.context_input = tc.context_input;
     cfg.target_layer_ids = ds.meta.target_layers.clone();
     if tc.draft_vocab > 0 && tc.draft_vocab < target.cfg.vocab_size {
         cfg.draft_vocab = Some(ds.draft_vocab(tc.draft_vocab));
@@ -173,8 +177,12 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     let c = d.config();
     let mut want = cfg.clone();
     want.sts_temperatures = None;
+    want.sts_temperatures_greedy = None;
+    want.sts_offsets_greedy = None;
     let mut have = c.clone();
     have.sts_temperatures = None;
+    have.sts_temperatures_greedy = None;
+    have.sts_offsets_greedy = None;
     if have != want {
         bail!(
             "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {})",
@@ -224,6 +232,8 @@ pub fn train(
         let d = DSparkDrafter::load(out, target)?;
         let mut d_cfg = d.config().clone();
         d_cfg.sts_temperatures = None;
+        d_cfg.sts_temperatures_greedy = None;
+        d_cfg.sts_offsets_greedy = None;
         let vars = candle_core::safetensors::load(out.join(VARS), &target.device)
             .with_context(|| format!("cannot read {}", out.join(VARS).display()))?;
         (

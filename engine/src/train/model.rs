@@ -194,6 +194,14 @@ impl TrainDrafter {
         } else {
             emb.unsqueeze(1)?
         };
+        let x0 = if cfg.context_input {
+            // Row a - 1 of the context features, for every row of block a.
+            let last: Vec<u32> = b.anchors.iter().map(|&a| (a - 1) as u32).collect();
+            let c = ctx.index_select(&Tensor::new(last.as_slice(), dev)?, 0)?;
+            x0.broadcast_add(&c.unsqueeze(1)?)?
+        } else {
+            x0
+        };
         let mut x = x0.reshape((n, h))?;
         // Positions and the attention mask over [context; blocks].
         let mut blk_pos = Vec::with_capacity(n);

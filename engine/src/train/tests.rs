@@ -1,6 +1,6 @@
 //! Training tests on a tiny random Llama target (a Hugging Face folder written here).
 
-use super::calibrate::{ece, fit_sts, sigmoid, Samples};
+use super::calibrate::{acceptance, ece, fit_sts, sigmoid, Mode, Samples};
 use super::data::{topk_probs, Dataset, DatasetMeta, SeqMeta, Sequence};
 use super::loss::{dspark_loss, LossConfig};
 use super::model::{Blocks, TrainDrafter};
@@ -121,6 +121,7 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
             ..Default::default()
         },
         init: None,
+        context_input: false,
     }
 }
 
@@ -128,13 +129,15 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
 fn training_forward_matches_serving_propose() {
     let target = tiny_target();
     let vocab: Vec<u32> = (0..VOCAB as u32).rev().step_by(2).collect();
-    for (head, dv) in [
-        (HeadKind::Markov, None),
-        (HeadKind::Markov, Some(vocab.clone())),
-        (HeadKind::Rnn, Some(vocab.clone())),
-        (HeadKind::Parallel, None),
+    for (head, dv, context_input) in [
+        (HeadKind::Markov, None, false),
+        (HeadKind::Markov, Some(vocab.clone()), false),
+        (HeadKind::Rnn, Some(vocab.clone()), false),
+        (HeadKind::Parallel, None, false),
+        (HeadKind::Markov, Some(vocab.clone()), true),
     ] {
-        let cfg = small_config(&target, head, dv.clone());
+        let mut cfg = small_config(&target, head, dv.clone());
+        cfg.context_input = context_input;
         let d = DSparkDrafter::random(&target, cfg, 7).unwrap();
         let layers = d.target_layers().to_vec();
         let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -148,7 +151,7 @@ fn training_forward_matches_serving_propose() {
         let hidden: Vec<Tensor> = (0..layers.len())
             .map(|i| feats.narrow(1, i * HIDDEN, HIDDEN).unwrap())
             .collect();
-        d.append_context(&mut kv, &table, 0, &hidden).unwrap();
+        let last = d.append_context(&mut kv, &table, 0, &hidden).unwrap();
         let params = SamplingParams::default();
         let mut srng = ChaCha8Rng::seed_from_u64(9);
         let mut reqs = [DraftRequest {
@@ -158,6 +161,7 @@ fn training_forward_matches_serving_propose() {
             gamma: GAMMA,
             params: &params,
             rng: &mut srng,
+            last_context: last.as_ref(),
         }];
         let block = d
             .propose(&mut kv, &target, &mut reqs)
@@ -431,7 +435,7 @@ fn sts_lowers_ece_on_overconfident_samples_and_keeps_ranking() {
         s.z.push(z);
         s.ok.push(ok);
     }
-    let r = fit_sts(&s).unwrap();
+    let r = fit_sts(&s, Mode::Greedy).unwrap();
     assert!(r.ece_all_after < 0.5 * r.ece_all_before, "{r:?}");
     for k in 0..5 {
         assert!(r.ece_after[k] <= r.ece_before[k] + 1e-9, "{r:?}");
@@ -449,4 +453,72 @@ fn sts_lowers_ece_on_overconfident_samples_and_keeps_ranking() {
         assert!(cal.windows(2).all(|w| w[0] <= w[1]));
     }
     assert!(ece(&[0.5, 0.5], &[1.0, 0.0], 10) < 1e-12);
+}
+
+#[test]
+fn sts_in_sampled_mode_fits_the_expected_survival() {
+    // Soft labels c*_k = sigmoid(u); the head says sigmoid(3u) (over-confident) and the
+    // greedy labels are all "accepted", so only the sampled fit can be right.
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let mut s = Samples::default();
+    for _ in 0..3000 {
+        let u: Vec<f64> = (0..4).map(|_| rng.random_range(-1.5..2.5)).collect();
+        s.z.push(u.iter().map(|&u| (3.0 * u) as f32).collect());
+        s.soft.push(u.iter().map(|&u| sigmoid(u) as f32).collect());
+        s.ok.push(vec![true; 4]);
+    }
+    let r = fit_sts(&s, Mode::Sampled).unwrap();
+    assert_eq!(r.mode, Mode::Sampled);
+    assert!(r.ece_all_after < 0.3 * r.ece_all_before, "{r:?}");
+    for t in &r.temperatures {
+        assert!((2.0..4.5).contains(t), "true temperature is 3: {r:?}");
+    }
+    // Against the greedy labels (all 1) the same confidences are far off.
+    let g = fit_sts(&s, Mode::Greedy).unwrap();
+    assert!(g.ece_all_before > 0.3, "{g:?}");
+}
+
+#[test]
+fn greedy_sts_removes_a_bias_that_temperature_cannot() {
+    // Greedy acceptance is sigmoid(u + 1) while the head says sigmoid(u): under-confident by
+    // a constant logit margin, at every confidence level.
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut s = Samples::default();
+    for _ in 0..4000 {
+        let u: Vec<f64> = (0..3).map(|_| rng.random_range(-2.5..1.5)).collect();
+        s.z.push(u.iter().map(|&u| u as f32).collect());
+        s.ok.push(
+            u.iter()
+                .map(|&u| rng.random::<f64>() < sigmoid(u + 1.0))
+                .collect(),
+        );
+        s.soft.push(vec![0.5; 3]);
+    }
+    let r = fit_sts(&s, Mode::Greedy).unwrap();
+    assert!(r.ece_after[0] < 0.4 * r.ece_before[0], "{r:?}");
+    assert!((0.6..1.4).contains(&r.offsets[0]), "offset near +1: {r:?}");
+    assert!(r.ece_all_after < 0.5 * r.ece_all_before, "{r:?}");
+    // Sampled mode fits temperatures only.
+    let p = fit_sts(&s, Mode::Sampled).unwrap();
+    assert!(p.offsets.iter().all(|&b| b == 0.0), "{p:?}");
+}
+
+#[test]
+fn teacher_forced_acceptance_by_hand() {
+    let s = Samples {
+        z: vec![vec![0.0; 3]; 2],
+        ok: vec![vec![true, true, false], vec![true, false, true]],
+        soft: vec![vec![0.5, 0.5, 1.0], vec![1.0, 0.25, 0.0]],
+    };
+    // Greedy survival: [1, 1, 0] and [1, 0, 0] -> means [1, 0.5, 0].
+    let g = acceptance(&s, Mode::Greedy);
+    assert!((g.tau - 2.5).abs() < 1e-12, "{g:?}");
+    assert_eq!(g.conditional, vec![1.0, 0.5, 0.0]);
+    // Sampled survival: [0.5, 0.25, 0.25] and [1, 0.25, 0] -> means [0.75, 0.25, 0.125].
+    let p = acceptance(&s, Mode::Sampled);
+    assert!((p.tau - 2.125).abs() < 1e-12, "{p:?}");
+    let want = [0.75, 0.25 / 0.75, 0.5];
+    for (c, w) in p.conditional.iter().zip(want) {
+        assert!((c - w).abs() < 1e-12, "{p:?}");
+    }
 }

@@ -23,6 +23,8 @@ struct Seq {
     anchor: u32,
     anchor_pos: usize,
     gamma: usize,
+    /// What the last `append_context` returned.
+    last_ctx: Option<Tensor>,
 }
 
 fn prompt(id: u64, len: usize) -> Vec<u32> {
@@ -65,21 +67,24 @@ fn prime(
     let mut table = Vec::new();
     assert!(dkv.ensure(&mut table, len - 1 + gamma));
     let mut start = 0;
+    let mut last_ctx = None;
     while start < len - 1 {
         let n = chunk.min(len - 1 - start);
         let part: Vec<Tensor> = hidden
             .iter()
             .map(|h| h.narrow(0, start, n).unwrap())
             .collect();
-        d.append_context(dkv, &table, start, &part).unwrap();
+        last_ctx = d.append_context(dkv, &table, start, &part).unwrap();
         start += n;
     }
+    assert_eq!(last_ctx.is_some(), d.config().context_input);
     Seq {
         id,
         table,
         anchor: tokens[len - 1],
         anchor_pos: len - 1,
         gamma,
+        last_ctx,
     }
 }
 
@@ -105,6 +110,7 @@ fn draft(
             gamma: s.gamma,
             params,
             rng,
+            last_context: s.last_ctx.as_ref(),
         })
         .collect();
     let blocks = d.propose(dkv, target, &mut reqs).unwrap();
@@ -247,8 +253,12 @@ fn mismatched_target_is_a_clear_error_naming_the_file() {
 #[test]
 fn batched_propose_equals_each_alone() {
     let target = tiny_target();
-    for head in [HeadKind::Markov, HeadKind::Rnn] {
-        let d = drafter(&target, head, |_| {});
+    for (head, context_input) in [
+        (HeadKind::Markov, false),
+        (HeadKind::Rnn, false),
+        (HeadKind::Markov, true),
+    ] {
+        let d = drafter(&target, head, |c| c.context_input = context_input);
         let mut kv = cache(&d);
         let seqs = [
             prime(&target, &d, &mut kv, 1, 5, GAMMA, 64),
@@ -285,6 +295,9 @@ fn dense_reference(d: &DSparkDrafter, target: &Model, id: u64, len: usize, gamma
     let mut rows = vec![anchor];
     rows.extend(std::iter::repeat_n(d.mask_row.clone(), gamma - 1));
     let mut x = Tensor::cat(&rows, 0).unwrap();
+    if d.cfg.context_input {
+        x = x.broadcast_add(&ctx.narrow(0, n - 1, 1).unwrap()).unwrap();
+    }
     let pos = |a: usize, b: usize| (a as u32..b as u32).collect::<Vec<u32>>();
     let (cc, sc) = d.rope_at(&pos(0, n)).unwrap();
     let (cb, sb) = d.rope_at(&pos(n, n + gamma)).unwrap();
@@ -333,8 +346,17 @@ fn dense_reference(d: &DSparkDrafter, target: &Model, id: u64, len: usize, gamma
 
 #[test]
 fn batched_backbone_matches_the_dense_equations() {
+    for context_input in [false, true] {
+        backbone_matches_dense(context_input);
+    }
+}
+
+fn backbone_matches_dense(context_input: bool) {
     let target = tiny_target();
-    let d = drafter(&target, HeadKind::Markov, |c| c.num_hidden_layers = 2);
+    let d = drafter(&target, HeadKind::Markov, |c| {
+        c.num_hidden_layers = 2;
+        c.context_input = context_input;
+    });
     let mut kv = cache(&d);
     let seqs = [
         prime(&target, &d, &mut kv, 1, 9, GAMMA, 64),
@@ -352,6 +374,7 @@ fn batched_backbone_matches_the_dense_equations() {
             gamma: s.gamma,
             params: &params,
             rng,
+            last_context: s.last_ctx.as_ref(),
         })
         .collect();
     let h = d.backbone(&mut kv, &target, &reqs).unwrap();
@@ -366,20 +389,24 @@ fn batched_backbone_matches_the_dense_equations() {
     let diff = crate::testutil::max_abs_diff(&h, &want);
     assert!(
         diff < 1e-4,
-        "paged batched backbone differs from the dense equations by {diff}"
+        "paged batched backbone (context_input {context_input}) differs from the dense equations by {diff}"
     );
 }
 
 #[test]
 fn context_in_chunks_equals_context_at_once() {
     let target = tiny_target();
-    let d = drafter(&target, HeadKind::Markov, |_| {});
-    let (mut k1, mut k2) = (cache(&d), cache(&d));
-    let once = prime(&target, &d, &mut k1, 4, 17, GAMMA, 64);
-    let chunked = prime(&target, &d, &mut k2, 4, 17, GAMMA, 5);
-    let a = draft(&d, &target, &mut k1, &[&once], &sampled(), 1);
-    let b = draft(&d, &target, &mut k2, &[&chunked], &sampled(), 1);
-    assert_blocks_close(&a[0], &b[0], 1e-5);
+    for context_input in [false, true] {
+        let d = drafter(&target, HeadKind::Markov, |c| {
+            c.context_input = context_input
+        });
+        let (mut k1, mut k2) = (cache(&d), cache(&d));
+        let once = prime(&target, &d, &mut k1, 4, 17, GAMMA, 64);
+        let chunked = prime(&target, &d, &mut k2, 4, 17, GAMMA, 5);
+        let a = draft(&d, &target, &mut k1, &[&once], &sampled(), 1);
+        let b = draft(&d, &target, &mut k2, &[&chunked], &sampled(), 1);
+        assert_blocks_close(&a[0], &b[0], 1e-5);
+    }
 }
 
 #[test]
@@ -456,6 +483,42 @@ fn confidences_are_probabilities_and_sts_is_monotone_and_order_preserving() {
             }
         }
         assert!(d.set_sts_temperatures(Some(vec![1.0; GAMMA - 1])).is_err());
+        assert!(d
+            .set_sts_greedy(Some(vec![1.0; GAMMA]), Some(vec![f32::NAN; GAMMA]))
+            .is_err());
+    }
+}
+
+#[test]
+fn greedy_requests_use_the_greedy_calibration() {
+    let target = tiny_target();
+    let mut d = drafter(&target, HeadKind::Markov, |_| {});
+    let mut kv = cache(&d);
+    let s = prime(&target, &d, &mut kv, 3, 12, GAMMA, 64);
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let raw_g = draft(&d, &target, &mut kv, &[&s], &greedy, 1).remove(0);
+    let raw_s = draft(&d, &target, &mut kv, &[&s], &sampled(), 1).remove(0);
+    let logit = |c: f32| (c / (1.0 - c)).ln();
+    // Sampled temperatures only: both modes use them.
+    d.set_sts_temperatures(Some(vec![2.0; GAMMA])).unwrap();
+    let g = draft(&d, &target, &mut kv, &[&s], &greedy, 1).remove(0);
+    for k in 0..GAMMA {
+        assert!((logit(g.confidence[k]) - logit(raw_g.confidence[k]) / 2.0).abs() < 1e-3);
+    }
+    // With a greedy calibration, greedy requests use it and sampled ones do not.
+    d.set_sts_greedy(Some(vec![0.5; GAMMA]), Some(vec![0.25; GAMMA]))
+        .unwrap();
+    let g = draft(&d, &target, &mut kv, &[&s], &greedy, 1).remove(0);
+    let p = draft(&d, &target, &mut kv, &[&s], &sampled(), 1).remove(0);
+    assert_eq!(g.tokens, raw_g.tokens);
+    for k in 0..GAMMA {
+        let want = logit(raw_g.confidence[k]) / 0.5 + 0.25;
+        assert!((logit(g.confidence[k]) - want).abs() < 1e-3, "k={k}");
+        let want = logit(raw_s.confidence[k]) / 2.0;
+        assert!((logit(p.confidence[k]) - want).abs() < 1e-3, "k={k}");
     }
 }
 
@@ -543,6 +606,7 @@ fn invalid_requests_are_clear_errors() {
             gamma,
             params: &params,
             rng: &mut rng,
+            last_context: s.last_ctx.as_ref(),
         }];
         d.propose(kv, &target, &mut reqs)
             .err()
@@ -555,6 +619,21 @@ fn invalid_requests_are_clear_errors() {
     let mut target_kv =
         KvCache::new(LAYERS, target.cfg.kv_dim(), 1 << 20, 4, &Device::Cpu).unwrap();
     assert!(try_draft(&mut target_kv, GAMMA, &s.table).contains("new_cache"));
+    // A context-input drafter needs the last context feature.
+    let d = drafter(&target, HeadKind::Markov, |c| c.context_input = true);
+    let mut kv = cache(&d);
+    let s = prime(&target, &d, &mut kv, 8, 6, GAMMA, 64);
+    let mut reqs = [DraftRequest {
+        anchor: s.anchor,
+        anchor_pos: s.anchor_pos,
+        block_table: &s.table,
+        gamma: GAMMA,
+        params: &params,
+        rng: &mut ChaCha8Rng::seed_from_u64(0),
+        last_context: None,
+    }];
+    let e = d.propose(&mut kv, &target, &mut reqs).unwrap_err();
+    assert!(format!("{e:#}").contains("last context feature"), "{e:#}");
 }
 
 /// Wall time of one propose on the real target (SmolLM2-135M, 1 drafter layer, gamma 7):
@@ -606,13 +685,14 @@ fn propose_timing_smollm2() {
                 let mut table = Vec::new();
                 assert!(kv.ensure(&mut table, 63 + GAMMA));
                 let ctx: Vec<Tensor> = hidden.iter().map(|h| h.narrow(0, 0, 63).unwrap()).collect();
-                d.append_context(&mut kv, &table, 0, &ctx).unwrap();
+                let last_ctx = d.append_context(&mut kv, &table, 0, &ctx).unwrap();
                 Seq {
                     id,
                     table,
                     anchor: tokens[63],
                     anchor_pos: 63,
                     gamma: GAMMA,
+                    last_ctx,
                 }
             })
             .collect();
