@@ -37,6 +37,7 @@ fn run(
     policy: VerifyPolicy,
     prompts: &[String],
     max_tokens: usize,
+    drafter: Option<std::path::PathBuf>,
 ) -> Vec<(String, usize, usize, usize)> {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
@@ -54,7 +55,7 @@ fn run(
             ..Default::default()
         },
         show_progress: false,
-        drafter: None,
+        drafter,
         cost_table: None,
         startup_profile: false,
     })
@@ -104,7 +105,13 @@ fn run(
         .collect()
 }
 
-fn check(speculation: Speculation, gammas: &[usize]) {
+/// Every prompt's output under `speculation` equals plain decoding; returns the accepted
+/// draft tokens per gamma.
+fn check(
+    speculation: Speculation,
+    gammas: &[usize],
+    drafter: Option<std::path::PathBuf>,
+) -> Vec<usize> {
     let prompts = prompts();
     assert!(prompts.len() >= 50, "only {} prompts", prompts.len());
     let max_tokens = MAX_TOKENS;
@@ -115,14 +122,17 @@ fn check(speculation: Speculation, gammas: &[usize]) {
             VerifyPolicy::Fixed { gamma: 1 },
             &prompts,
             max_tokens,
+            None,
         )
     });
+    let mut out = Vec::new();
     for &gamma in gammas {
         let spec = run(
             speculation,
             VerifyPolicy::Fixed { gamma },
             &prompts,
             max_tokens,
+            drafter.clone(),
         );
         let (mut drafted, mut accepted) = (0, 0);
         for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
@@ -142,25 +152,43 @@ fn check(speculation: Speculation, gammas: &[usize]) {
             drafted > 0,
             "{speculation:?} gamma={gamma} never drafted: the test would not test anything"
         );
+        out.push(accepted);
     }
+    out
 }
 
 #[test]
 fn ngram_greedy_is_lossless() {
-    check(Speculation::Ngram, &[1, 4, 7, 16]);
+    check(Speculation::Ngram, &[1, 4, 7, 16], None);
 }
 
 #[test]
 fn parallel_drafter_greedy_is_lossless() {
-    check(Speculation::Parallel, &[1, 4, 7, 16]);
+    check(Speculation::Parallel, &[1, 4, 7, 16], None);
 }
 
 #[test]
 fn dspark_markov_greedy_is_lossless() {
-    check(Speculation::DSparkMarkov, &[1, 4, 7, 16]);
+    check(Speculation::DSparkMarkov, &[1, 4, 7, 16], None);
 }
 
 #[test]
 fn dspark_rnn_greedy_is_lossless() {
-    check(Speculation::DSparkRnn, &[1, 4, 7, 16]);
+    check(Speculation::DSparkRnn, &[1, 4, 7, 16], None);
+}
+
+/// The shipped trained DSpark Markov drafter drafts tokens the
+/// target accepts, so this run exercises acceptance, the bonus token and the drafter's
+/// context bookkeeping after partial acceptance, with many requests batched.
+#[test]
+fn shipped_markov_drafter_greedy_is_lossless() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    let accepted = check(Speculation::DSparkMarkov, &[3, 7], Some(dir));
+    for a in accepted {
+        assert!(
+            a > 50,
+            "the trained drafter got only {a} draft tokens accepted"
+        );
+    }
 }
