@@ -980,9 +980,12 @@ fn feed_drafter(
         .iter()
         .map(|h| h.narrow(0, first_row, n))
         .collect::<candle_core::Result<_>>()?;
-    s.draft_ctx = d
+    if let Some(c) = d
         .model
-        .append_context(&mut d.kv, &s.draft_blocks, s.cached, &rows)?;
+        .append_context(&mut d.kv, &s.draft_blocks, s.cached, &rows)?
+    {
+        s.draft_ctx = Some(c);
+    }
     Ok(())
 }
 

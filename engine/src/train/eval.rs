@@ -202,7 +202,9 @@ pub fn generate(
                 .map(|h| h.narrow(0, 0, valid))
                 .collect::<candle_core::Result<_>>()?;
             let t = Instant::now();
-            last_ctx = d.append_context(dk, &dtable, cached, &h)?;
+            if let Some(c) = d.append_context(dk, &dtable, cached, &h)? {
+                last_ctx = Some(c);
+            }
             if !first {
                 draft_seconds += t.elapsed().as_secs_f64();
             }
