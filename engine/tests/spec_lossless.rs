@@ -177,7 +177,7 @@ fn dspark_rnn_greedy_is_lossless() {
     check(Speculation::DSparkRnn, &[1, 4, 7, 16], None);
 }
 
-/// The shipped trained DSpark Markov drafter drafts tokens the
+/// The shipped trained DSpark Markov drafter (context input) drafts tokens the
 /// target accepts, so this run exercises acceptance, the bonus token and the drafter's
 /// context bookkeeping after partial acceptance, with many requests batched.
 #[test]

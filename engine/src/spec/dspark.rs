@@ -111,6 +111,10 @@ pub struct DSparkConfig {
     /// `sts_temperatures_greedy` is absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sts_temperatures: Option<Vec<f32>>,
+    /// Per-position logit offsets `b_k` of the sampled calibration:
+    /// `c_k = sigmoid(z_k / T_k + b_k)` (absent: 0, the paper's STS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sts_offsets: Option<Vec<f32>>,
     /// Per-position STS temperatures fitted against greedy acceptance (argmax match), used
     /// for greedy requests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -236,6 +240,7 @@ impl DSparkConfig {
         check_sts(self.block_size, self.sts_temperatures.as_deref())?;
         check_sts(self.block_size, self.sts_temperatures_greedy.as_deref())?;
         check_offsets(self.block_size, self.sts_offsets_greedy.as_deref())?;
+        check_offsets(self.block_size, self.sts_offsets.as_deref())?;
         if let Some(vocab) = &self.draft_vocab {
             if vocab.is_empty() {
                 return Err("draft_vocab is empty".into());
@@ -270,11 +275,11 @@ fn check_sts(block_size: usize, temps: Option<&[f32]>) -> std::result::Result<()
 fn check_offsets(block_size: usize, offsets: Option<&[f32]>) -> std::result::Result<(), String> {
     match offsets {
         Some(b) if b.len() != block_size => Err(format!(
-            "sts_offsets_greedy has {} entries, expected block_size = {block_size}",
+            "sts offsets have {} entries, expected block_size = {block_size}",
             b.len()
         )),
         Some(b) if b.iter().any(|x| !x.is_finite()) => {
-            Err(format!("sts_offsets_greedy {b:?} must be finite"))
+            Err(format!("sts offsets {b:?} must be finite"))
         }
         _ => Ok(()),
     }
@@ -500,6 +505,7 @@ impl DSparkDrafter {
             enable_confidence_head: true,
             context_input: false,
             sts_temperatures: None,
+            sts_offsets: None,
             sts_temperatures_greedy: None,
             sts_offsets_greedy: None,
             draft_vocab: None,
@@ -720,6 +726,13 @@ impl DSparkDrafter {
         Ok(())
     }
 
+    /// Sets (or clears) the per-position logit offsets of sampled requests.
+    pub fn set_sts_offsets(&mut self, offsets: Option<Vec<f32>>) -> Result<()> {
+        check_offsets(self.cfg.block_size, offsets.as_deref()).map_err(anyhow::Error::msg)?;
+        self.cfg.sts_offsets = offsets;
+        Ok(())
+    }
+
     /// Sets (or clears) the per-position calibration of greedy requests: temperatures and
     /// logit offsets.
     pub fn set_sts_greedy(
@@ -739,7 +752,10 @@ impl DSparkDrafter {
         let c = &self.cfg;
         match (greedy, &c.sts_temperatures_greedy) {
             (true, Some(t)) => (t[k], c.sts_offsets_greedy.as_ref().map_or(0.0, |b| b[k])),
-            _ => (c.sts_temperatures.as_ref().map_or(1.0, |t| t[k]), 0.0),
+            _ => (
+                c.sts_temperatures.as_ref().map_or(1.0, |t| t[k]),
+                c.sts_offsets.as_ref().map_or(0.0, |b| b[k]),
+            ),
         }
     }
 

@@ -4,8 +4,8 @@
 //! observed survival `s_k`, keeping the earlier `T_i` fixed. Dividing a logit by a positive
 //! `T` is monotone, so the ranking of confidences at each position never changes.
 //!
-//! Survival depends on the decoding mode, so there is one fit per [`Mode`] (greedy adds a
-//! per-position logit offset, see [`fit_sts`]):
+//! Each position also gets a logit offset (see [`fit_sts`]). Survival depends on the
+//! decoding mode, so there is one fit per [`Mode`]:
 //! - greedy: `s_k = prod_{i<=k} [argmax q_i == argmax p_i]` (the data is the target's greedy
 //!   continuation, so the data token is `argmax p_i`);
 //! - sampled (temperature 1, rejection sampling): `s_k = prod_{i<=k} c*_i` with
@@ -165,7 +165,7 @@ pub fn acceptance(s: &Samples, mode: Mode) -> Acceptance {
 pub struct StsReport {
     pub mode: Mode,
     pub temperatures: Vec<f64>,
-    /// Logit offsets `b_k` (all 0 in sampled mode).
+    /// Logit offsets `b_k`.
     pub offsets: Vec<f64>,
     /// ECE of `a_k` per position, before (T = 1) and after.
     pub ece_before: Vec<f64>,
@@ -192,11 +192,13 @@ fn pooled_ece(a: &[Vec<f64>], s: &[Vec<f64>]) -> f64 {
     ece(&a, &s, BINS)
 }
 
-/// Fits the per-position temperatures for `mode`, left to right. In greedy mode each
-/// position also gets a logit offset `b_k` (`c_k <- sigmoid(z_k / T_k + b_k)`, a 2-D grid):
-/// the head is trained on the temperature-1 acceptance `c*`, which greedy acceptance
-/// exceeds by a roughly constant margin that no temperature can remove. Both maps are
-/// increasing in `z`, so rankings at a position never change.
+/// Fits the per-position temperatures for `mode`, left to right, each with a logit offset
+/// `b_k` (`c_k <- sigmoid(z_k / T_k + b_k)`, a 2-D grid; `b = 0` is the paper's STS). A
+/// temperature alone cannot remove a bias: greedy acceptance exceeds the head's training
+/// target `c*` by a roughly constant margin, and a head can be biased against `c*` too
+/// (then the best temperature-only fit flattens a position towards 0.5 and every later
+/// position inherits the error). The map is increasing in `z`, so rankings at a position
+/// never change; the identity is kept unless the grid gains.
 pub fn fit_sts(s: &Samples, mode: Mode) -> Result<StsReport> {
     ensure!(!s.z.is_empty(), "no calibration samples");
     let gamma = s.z[0].len();
@@ -204,10 +206,7 @@ pub fn fit_sts(s: &Samples, mode: Mode) -> Result<StsReport> {
         .map(|i| (0.05f64.ln() + i as f64 * (20f64.ln() - 0.05f64.ln()) / 160.0).exp())
         .chain([1.0])
         .collect();
-    let offsets: Vec<f64> = match mode {
-        Mode::Greedy => (-30..=30).map(|i| i as f64 * 0.05).collect(),
-        Mode::Sampled => vec![0.0],
-    };
+    let offsets: Vec<f64> = (-30..=30).map(|i| i as f64 * 0.05).collect();
     let obs = observed_survival(s, mode);
     let (mut t, mut b) = (vec![1.0; gamma], vec![0.0; gamma]);
     let before = survival_estimates(s, &t, &b);

@@ -276,6 +276,7 @@ pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
     ds.check_fits(&model, d.target_layers())?;
     d.set_sts_temperatures(None)?;
+    d.set_sts_offsets(None)?;
     d.set_sts_greedy(None, None)?;
     let td = TrainDrafter::new(&model, &d)?;
     let (_, held) = ds.split(a.heldout);
@@ -311,7 +312,10 @@ pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
         );
         let f32s = |v: &[f64]| Some(v.iter().map(|&t| t as f32).collect());
         match mode {
-            Mode::Sampled => d.set_sts_temperatures(f32s(&r.temperatures))?,
+            Mode::Sampled => {
+                d.set_sts_temperatures(f32s(&r.temperatures))?;
+                d.set_sts_offsets(f32s(&r.offsets))?;
+            }
             Mode::Greedy => d.set_sts_greedy(f32s(&r.temperatures), f32s(&r.offsets))?,
         }
         reports.push(serde_json::json!({ "sts": r, "acceptance": acc }));

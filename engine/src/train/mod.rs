@@ -179,10 +179,12 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     want.sts_temperatures = None;
     want.sts_temperatures_greedy = None;
     want.sts_offsets_greedy = None;
+    want.sts_offsets = None;
     let mut have = c.clone();
     have.sts_temperatures = None;
     have.sts_temperatures_greedy = None;
     have.sts_offsets_greedy = None;
+    have.sts_offsets = None;
     if have != want {
         bail!(
             "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {})",
@@ -234,6 +236,7 @@ pub fn train(
         d_cfg.sts_temperatures = None;
         d_cfg.sts_temperatures_greedy = None;
         d_cfg.sts_offsets_greedy = None;
+        d_cfg.sts_offsets = None;
         let vars = candle_core::safetensors::load(out.join(VARS), &target.device)
             .with_context(|| format!("cannot read {}", out.join(VARS).display()))?;
         (

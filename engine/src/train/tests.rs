@@ -498,9 +498,9 @@ fn greedy_sts_removes_a_bias_that_temperature_cannot() {
     assert!(r.ece_after[0] < 0.4 * r.ece_before[0], "{r:?}");
     assert!((0.6..1.4).contains(&r.offsets[0]), "offset near +1: {r:?}");
     assert!(r.ece_all_after < 0.5 * r.ece_all_before, "{r:?}");
-    // Sampled mode fits temperatures only.
+    // The sampled fit uses the soft labels (all 0.5 here): it pulls every position to 0.5.
     let p = fit_sts(&s, Mode::Sampled).unwrap();
-    assert!(p.offsets.iter().all(|&b| b == 0.0), "{p:?}");
+    assert!(p.ece_after[0] < 0.3 * p.ece_before[0], "{p:?}");
 }
 
 #[test]
