@@ -187,7 +187,7 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     have.sts_offsets = None;
     if have != want {
         bail!(
-            "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {})",
+            "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}, context input {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}, context input {})",
             dir.display(),
             c.markov_head_type,
             c.block_size,
@@ -195,12 +195,14 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
             c.markov_rank,
             c.target_layer_ids,
             c.draft_vocab_size(),
+            c.context_input,
             cfg.markov_head_type,
             cfg.block_size,
             cfg.num_hidden_layers,
             cfg.markov_rank,
             cfg.target_layer_ids,
-            cfg.draft_vocab_size()
+            cfg.draft_vocab_size(),
+            cfg.context_input
         );
     }
     let tensors = d
