@@ -308,9 +308,10 @@ pub fn collect(
         for (bi, &anc) in a.iter().enumerate() {
             let rows = bi * gamma..(bi + 1) * gamma;
             out.z.push(z[rows.clone()].to_vec());
-            out.soft.push(c_star[rows.clone()].to_vec());
+            out.soft.push(c_star[rows].to_vec());
             out.ok.push(
-                rows.map(|r| vm.rows.get(&s.tokens[anc + r - bi * gamma + 1]) == Some(&am[r]))
+                (0..gamma)
+                    .map(|j| vm.rows.get(&s.tokens[anc + j + 1]) == Some(&am[bi * gamma + j]))
                     .collect(),
             );
         }
