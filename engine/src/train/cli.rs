@@ -12,7 +12,7 @@ use crate::runtime;
 use crate::spec::dspark::{default_target_layers, DSparkDrafter, HeadKind};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 fn parse_head(s: &str) -> Result<HeadKind> {
@@ -38,9 +38,11 @@ pub struct TrainArgs {
     /// Prompt files (JSONL) to regenerate when the dataset does not exist yet.
     #[arg(long)]
     pub prompts: Vec<PathBuf>,
-    /// Dataset cache folder (default ~/.cache/dspark/train/<model-id>/dataset).
-    #[arg(long)]
-    pub dataset: Option<PathBuf>,
+    /// Dataset cache folder (default ~/.cache/dspark/train/<model-id>/dataset). Repeat (or
+    /// comma-separate) to train on several datasets of the same target as one; each is split
+    /// into train and held-out on its own.
+    #[arg(long, value_delimiter = ',')]
+    pub dataset: Vec<PathBuf>,
     /// Only build the dataset.
     #[arg(long)]
     pub generate_only: bool,
@@ -100,16 +102,38 @@ pub struct TrainArgs {
     pub threads: Option<usize>,
 }
 
-/// Loads the dataset at `dir`, generating it first from `prompts` if it is missing.
+/// The dataset folders of `--dataset` (default: the model's cache folder).
+fn dataset_dirs(given: &[PathBuf], model: &crate::model::Model) -> Vec<PathBuf> {
+    if given.is_empty() {
+        vec![data::default_dir(&model.id)]
+    } else {
+        given.to_vec()
+    }
+}
+
+/// Loads the datasets at `dirs`, generating a single missing one first from `prompts`.
 fn dataset(
     model: &crate::model::Model,
     tok: &crate::tokenizer::TextTokenizer,
-    dir: &Path,
+    dirs: &[PathBuf],
     a: &TrainArgs,
 ) -> Result<Dataset> {
-    if dir.join("meta.json").exists() {
-        return Dataset::load(dir);
-    }
+    let missing: Vec<&PathBuf> = dirs
+        .iter()
+        .filter(|d| !d.join("meta.json").exists())
+        .collect();
+    let dir = match missing[..] {
+        [] => return Dataset::load_all(dirs),
+        [d] if dirs.len() == 1 => d.as_path(),
+        _ => bail!(
+            "no dataset at {}: generate each dataset on its own (one --dataset with --prompts), then train on them together",
+            missing
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     if a.prompts.is_empty() {
         bail!(
             "no dataset at {} and no --prompts to generate one from",
@@ -160,6 +184,7 @@ fn dataset(
             seqs: seqs.iter().map(|s| s.meta.clone()).collect(),
             seconds: t0.elapsed().as_secs_f64(),
         },
+        parts: vec![seqs.len()],
         seqs,
     };
     ds.save(dir)?;
@@ -177,11 +202,8 @@ pub fn run_train(a: TrainArgs) -> Result<()> {
     runtime::init_threads(a.threads);
     let device = candle_core::Device::Cpu;
     let (model, tok) = runtime::load(&a.model, &device, true)?;
-    let dir = a
-        .dataset
-        .clone()
-        .unwrap_or_else(|| data::default_dir(&model.id));
-    let ds = dataset(&model, &tok, &dir, &a)?;
+    let dirs = dataset_dirs(&a.dataset, &model);
+    let ds = dataset(&model, &tok, &dirs, &a)?;
     if a.generate_only {
         return Ok(());
     }
@@ -249,8 +271,9 @@ pub struct CalibrateArgs {
     /// Drafter checkpoint folder; its config.json gets the temperatures.
     #[arg(long)]
     pub drafter: PathBuf,
-    #[arg(long)]
-    pub dataset: Option<PathBuf>,
+    /// Dataset folders, as `train --dataset`.
+    #[arg(long, value_delimiter = ',')]
+    pub dataset: Vec<PathBuf>,
     /// Held-out fraction (must match training's --heldout).
     #[arg(long, default_value_t = 0.1)]
     pub heldout: f64,
@@ -268,11 +291,7 @@ pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
     runtime::init_threads(a.threads);
     let device = candle_core::Device::Cpu;
     let (model, _) = runtime::load(&a.model, &device, true)?;
-    let dir = a
-        .dataset
-        .clone()
-        .unwrap_or_else(|| data::default_dir(&model.id));
-    let ds = Dataset::load(&dir)?;
+    let ds = Dataset::load_all(&dataset_dirs(&a.dataset, &model))?;
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
     ds.check_fits(&model, d.target_layers())?;
     d.set_sts_temperatures(None)?;
@@ -361,9 +380,12 @@ pub struct EvalArgs {
     /// Seed of the sampling RNG (one stream per prompt, derived from it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// JSON with every statistic (input of bench/plot_drafters.py).
+    /// JSON with every statistic (input of bench/drafter_table.py).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Folder for PNG plots: tau.png, acceptance.png (per position), reliability.png.
+    #[arg(long)]
+    pub plots: Option<PathBuf>,
     #[arg(long)]
     pub threads: Option<usize>,
 }
@@ -400,6 +422,9 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
             "--temperature must be a finite number >= 0, got {}",
             a.temperature
         );
+    }
+    if cfg!(not(feature = "plots")) && a.plots.is_some() {
+        bail!("--plots: this build has no plots (cargo feature `plots`)");
     }
     let sampled = a.temperature > 0.0;
     let mut stats: Vec<DomainStats> = Vec::new();
@@ -471,6 +496,12 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
         });
         std::fs::write(&j, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("cannot write {}", j.display()))?;
+    }
+    #[cfg(feature = "plots")]
+    if let Some(dir) = &a.plots {
+        for p in super::plots::write_all(&stats, a.gamma, dir)? {
+            eprintln!("plot -> {}", p.display());
+        }
     }
     Ok(())
 }

@@ -159,6 +159,10 @@ impl Sequence {
 pub struct Dataset {
     pub meta: DatasetMeta,
     pub seqs: Vec<Sequence>,
+    /// Sequences per source folder, in order (one part unless [`Dataset::load_all`] joined
+    /// several): each part is split into train and held-out on its own, so adding a dataset
+    /// never moves an existing sequence across the split.
+    pub parts: Vec<usize>,
 }
 
 /// Default cache folder of a model's dataset.
@@ -406,7 +410,46 @@ impl Dataset {
                 topk_p,
             });
         }
-        Ok(Self { meta, seqs })
+        let parts = vec![seqs.len()];
+        Ok(Self { meta, seqs, parts })
+    }
+
+    /// The datasets at `dirs` as one (they must come from the same target, layers and top-k).
+    pub fn load_all(dirs: &[PathBuf]) -> Result<Self> {
+        let (first, rest) = dirs.split_first().context("no dataset folder given")?;
+        let mut all = Self::load(first)?;
+        for dir in rest {
+            let d = Self::load(dir)?;
+            let (a, b) = (&all.meta, &d.meta);
+            if (
+                a.vocab_size,
+                a.hidden_size,
+                a.num_layers,
+                &a.target_layers,
+                a.topk,
+            ) != (
+                b.vocab_size,
+                b.hidden_size,
+                b.num_layers,
+                &b.target_layers,
+                b.topk,
+            ) {
+                bail!(
+                    "datasets {} and {} do not fit together: {} (vocab {}, hidden {}, {} layers, target layers {:?}, top-{}) vs {} (vocab {}, hidden {}, {} layers, target layers {:?}, top-{})",
+                    first.display(), dir.display(),
+                    a.model_id, a.vocab_size, a.hidden_size, a.num_layers, a.target_layers, a.topk,
+                    b.model_id, b.vocab_size, b.hidden_size, b.num_layers, b.target_layers, b.topk
+                );
+            }
+            all.meta.prompts = format!("{},{}", all.meta.prompts, d.meta.prompts);
+            all.meta.seqs.extend(d.meta.seqs);
+            all.meta.total_tokens += d.meta.total_tokens;
+            all.meta.seconds += d.meta.seconds;
+            all.meta.max_new_tokens = all.meta.max_new_tokens.max(d.meta.max_new_tokens);
+            all.parts.push(d.seqs.len());
+            all.seqs.extend(d.seqs);
+        }
+        Ok(all)
     }
 
     /// Errors unless this dataset was made by `model` for a drafter reading `layers`.
@@ -440,13 +483,19 @@ impl Dataset {
         Ok(())
     }
 
-    /// Sequence indices `(train, held_out)`: a seeded shuffle, the last `frac` held out.
+    /// Sequence indices `(train, held_out)`: per part, a seeded shuffle with the last `frac`
+    /// held out.
     pub fn split(&self, frac: f64) -> (Vec<usize>, Vec<usize>) {
-        let mut idx: Vec<usize> = (0..self.seqs.len()).collect();
-        idx.shuffle(&mut ChaCha8Rng::seed_from_u64(0x5eed));
-        let held = ((self.seqs.len() as f64 * frac).round() as usize).min(self.seqs.len());
-        let train = idx[..idx.len() - held].to_vec();
-        let heldout = idx[idx.len() - held..].to_vec();
+        let (mut train, mut heldout) = (Vec::new(), Vec::new());
+        let mut start = 0;
+        for &n in &self.parts {
+            let mut idx: Vec<usize> = (start..start + n).collect();
+            idx.shuffle(&mut ChaCha8Rng::seed_from_u64(0x5eed));
+            let held = ((n as f64 * frac).round() as usize).min(n);
+            train.extend_from_slice(&idx[..n - held]);
+            heldout.extend_from_slice(&idx[n - held..]);
+            start += n;
+        }
         (train, heldout)
     }
 

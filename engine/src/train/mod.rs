@@ -1,7 +1,8 @@
 //! Drafter training (issue #5): self-distilled data ([`data`]), a differentiable drafter
 //! with the serving drafter's parameters ([`model`]), the DSpark loss ([`loss`]), AdamW with
 //! warm-up + cosine and clipping ([`optim`]), Sequential Temperature Scaling
-//! ([`calibrate`]) and the acceptance evaluation ([`eval`]).
+//! ([`calibrate`]), the acceptance evaluation ([`eval`]) and its PNG plots ([`plots`], the
+//! `plots` feature).
 //!
 //! A training run lives in one folder: `config.json` + `model.safetensors` (the serving
 //! checkpoint, bf16, loadable by `DSparkDrafter::load`) and `train/` (f32 variables,
@@ -14,6 +15,8 @@ pub mod eval;
 pub mod loss;
 pub mod model;
 pub mod optim;
+#[cfg(feature = "plots")]
+pub mod plots;
 #[cfg(test)]
 mod tests;
 
@@ -170,12 +173,17 @@ pub struct StepReport {
 }
 
 /// The weights of the checkpoint at `dir` under `cfg` (STS temperatures dropped); an error
-/// naming the difference when its architecture is not `cfg`'s.
+/// naming the difference when its architecture is not `cfg`'s. The checkpoint keeps its own
+/// draft vocabulary when it has the size `cfg` asks for (a run on more data would otherwise
+/// pick a slightly different set of ids and could not continue from it).
 fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDrafter> {
     let d = DSparkDrafter::load(dir, target)
         .with_context(|| format!("--init {}: cannot load the drafter", dir.display()))?;
     let c = d.config();
     let mut want = cfg.clone();
+    if c.draft_vocab.is_some() && c.draft_vocab_size() == cfg.draft_vocab_size() {
+        want.draft_vocab = c.draft_vocab.clone();
+    }
     want.sts_temperatures = None;
     want.sts_temperatures_greedy = None;
     want.sts_offsets_greedy = None;

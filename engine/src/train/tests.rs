@@ -99,6 +99,7 @@ fn synthetic_dataset(target: &Model, layers: &[usize], n: usize, len: usize) -> 
             total_tokens: n * len,
             seconds: 0.0,
         },
+        parts: vec![seqs.len()],
         seqs,
     }
 }
@@ -399,6 +400,24 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
         (warm_loss - after).abs() < 0.25 * (before - after),
         "warm start {warm_loss}, trained {after}, random {before}"
     );
+    // A warm start on other data keeps the checkpoint's draft vocabulary (the other data
+    // alone would pick a different one).
+    let more = synthetic_dataset(&target, &ds.meta.target_layers, 2, 14);
+    let own = DSparkDrafter::load(&a, &target)
+        .unwrap()
+        .config()
+        .draft_vocab
+        .clone();
+    assert_ne!(new_config(&target, &more, &warm).draft_vocab, own);
+    let e = scratch_dir("run-e");
+    train(&target, &more, &warm, &e, 1, &mut |_| {}).unwrap();
+    let kept = DSparkDrafter::load(&e, &target)
+        .unwrap()
+        .config()
+        .draft_vocab
+        .clone();
+    assert_eq!(kept, own);
+    std::fs::remove_dir_all(e).ok();
     // A checkpoint of another architecture is refused, naming the difference.
     let other_rank = TrainConfig {
         rank: tc.rank + 4,
@@ -417,6 +436,48 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     assert!(e.to_string().contains("differs from this run"), "{e}");
     for dir in [a, b, c] {
         std::fs::remove_dir_all(dir).ok();
+    }
+}
+
+#[test]
+fn joined_datasets_split_each_part_alone_and_must_fit_together() {
+    let target = tiny_target();
+    let (a, b) = (
+        synthetic_dataset(&target, &[0, 1], 6, 12),
+        synthetic_dataset(&target, &[0, 1], 9, 10),
+    );
+    let dirs = [scratch_dir("ds-a"), scratch_dir("ds-b")];
+    a.save(&dirs[0]).unwrap();
+    b.save(&dirs[1]).unwrap();
+    let joined = Dataset::load_all(&dirs).unwrap();
+    assert_eq!(joined.seqs.len(), 15);
+    assert_eq!(joined.parts, vec![6, 9]);
+    assert_eq!(joined.meta.seqs.len(), 15);
+    assert_eq!(joined.seqs[6].tokens, b.seqs[0].tokens);
+    // Each part's held-out sequences are the ones it holds out alone (offset by the parts
+    // before it), and every sequence lands on exactly one side.
+    let (train, held) = joined.split(0.34);
+    let (_, held_a) = a.split(0.34);
+    let (_, held_b) = b.split(0.34);
+    let want: Vec<usize> = held_a
+        .iter()
+        .copied()
+        .chain(held_b.iter().map(|i| i + 6))
+        .collect();
+    assert_eq!(held, want);
+    let mut all: Vec<usize> = train.iter().chain(&held).copied().collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..15).collect::<Vec<_>>());
+    // A dataset of other target layers does not join.
+    let c = synthetic_dataset(&target, &[1], 2, 10);
+    let dir_c = scratch_dir("ds-c");
+    c.save(&dir_c).unwrap();
+    let e = Dataset::load_all(&[dirs[0].clone(), dir_c.clone()])
+        .err()
+        .expect("mismatched datasets must not join");
+    assert!(e.to_string().contains("do not fit together"), "{e}");
+    for d in dirs.iter().chain([&dir_c]) {
+        std::fs::remove_dir_all(d).ok();
     }
 }
 
