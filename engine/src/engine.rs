@@ -8,11 +8,14 @@
 
 use crate::cost::CostTables;
 use crate::kv::KvCache;
-use crate::metrics::{FinishLabel, Metrics, PositionLabel};
+use crate::metrics::{FinishLabel, Metrics, ModePositionLabel, PositionLabel};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
 use crate::spec::dspark::{DSparkDrafter, DraftRequest};
-use crate::spec::{ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
+use crate::spec::recalibrate::OnlineCalibration;
+use crate::spec::{
+    is_greedy, ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy,
+};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
 use dspark_telemetry::TRACE_TARGET;
@@ -38,6 +41,9 @@ pub struct EngineConfig {
     pub speculation: Speculation,
     /// How many draft tokens each request verifies.
     pub policy: VerifyPolicy,
+    /// Step of the online recalibration of a model drafter's confidences (0: off): see
+    /// [`crate::spec::recalibrate`].
+    pub online_calibration: f32,
 }
 
 impl Default for EngineConfig {
@@ -49,6 +55,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             speculation: Speculation::None,
             policy: VerifyPolicy::Fixed { gamma: 4 },
+            online_calibration: 0.0,
         }
     }
 }
@@ -206,6 +213,8 @@ pub struct Engine {
     costs: Arc<CostTables>,
     /// Live per-position acceptance, the confidences of drafters without a confidence head.
     acceptance: AcceptanceStats,
+    /// Online offsets on the model drafter's calibrated confidences (when enabled).
+    recal: Option<OnlineCalibration>,
     /// Seconds per model-drafter call (moving average), for the drafting gate.
     draft_secs: f64,
     /// Steps in a row the gate skipped the drafter; every `DRAFT_PROBE`-th runs it anyway
@@ -255,6 +264,7 @@ impl Engine {
                 drafter: None,
                 costs,
                 acceptance: AcceptanceStats::new(64, 200.0),
+                recal: None,
                 draft_secs: 0.0,
                 draft_skips_in_row: 0,
             },
@@ -264,6 +274,12 @@ impl Engine {
 
     /// Attaches the model drafter used by `parallel` / `dspark-*` speculation.
     pub fn with_drafter(mut self, drafter: Drafter) -> Self {
+        if self.cfg.online_calibration > 0.0 {
+            self.recal = Some(OnlineCalibration::new(
+                drafter.model.config().block_size,
+                self.cfg.online_calibration,
+            ));
+        }
         self.drafter = Some(drafter);
         self
     }
@@ -572,6 +588,20 @@ impl Engine {
                         .inc();
                 }
             }
+            if let (Some(oc), Some(p)) = (&mut self.recal, &pl.proposal) {
+                let greedy = is_greedy(&p.q);
+                oc.record(greedy, &p.confidence, accepted);
+                let mode = if greedy { "greedy" } else { "sampled" };
+                for (k, &off) in oc.offsets(greedy).iter().enumerate().take(accepted + 1) {
+                    self.metrics
+                        .calibration_offset
+                        .get_or_create(&ModePositionLabel {
+                            mode: mode.into(),
+                            position: k as u32,
+                        })
+                        .set(off as f64);
+                }
+            }
             if drafted > 0 {
                 self.record_acceptance(drafted, accepted);
             }
@@ -703,7 +733,10 @@ impl Engine {
         } else {
             0.9 * self.draft_secs + 0.1 * dt
         };
-        for ((i, _), b) in who.into_iter().zip(blocks) {
+        for ((i, _), mut b) in who.into_iter().zip(blocks) {
+            if let Some(oc) = &self.recal {
+                oc.adjust(is_greedy(&b.q), &mut b.confidence);
+            }
             out.insert(
                 i,
                 Proposal {

@@ -129,6 +129,11 @@ struct ServeArgs {
     /// Survival threshold of the threshold policy.
     #[arg(long, env = "DSPARK_THRESHOLD", default_value_t = 0.5)]
     threshold: f32,
+    /// Online recalibration of a model drafter's confidences from verify outcomes: the SGD
+    /// step of a per-position logit offset on top of STS, per decoding mode (0: off). Keeps
+    /// the threshold and dspark policies honest on traffic unlike the calibration data.
+    #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = 0.0)]
+    online_calibration: f32,
     /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.
     /// Without one the built-in conservative default is used until one is pushed.
     #[arg(long, env = "DSPARK_COST_TABLE")]
@@ -173,6 +178,11 @@ fn serve(a: ServeArgs) -> Result<()> {
         )
     })?;
     anyhow::ensure!(a.gamma >= 1, "--gamma must be at least 1");
+    anyhow::ensure!(
+        a.online_calibration.is_finite() && (0.0..=1.0).contains(&a.online_calibration),
+        "--online-calibration must be a step between 0 (off) and 1, got {}",
+        a.online_calibration
+    );
     let policy = match a.policy.as_str() {
         "fixed" => VerifyPolicy::Fixed { gamma: a.gamma },
         "threshold" => VerifyPolicy::Threshold {
@@ -215,6 +225,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             max_waiting: a.max_waiting,
             speculation,
             policy,
+            online_calibration: a.online_calibration,
         },
         show_progress: true,
         drafter: a.drafter.clone(),

@@ -20,6 +20,13 @@ pub struct PositionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModePositionLabel {
+    /// `greedy` or `sampled`.
+    pub mode: String,
+    pub position: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabel {
     pub source: String,
 }
@@ -109,6 +116,7 @@ pub struct Metrics {
     /// Live conditional acceptance rate per draft position (decayed; includes drafts the
     /// scheduler did not verify, scored against the committed tokens).
     pub live_acceptance: Family<PositionLabel, Gauge<f64, AtomicU64>>,
+    pub calibration_offset: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -158,6 +166,7 @@ impl Metrics {
             cost_table_source: Family::default(),
             cost_table_refusals: Counter::default(),
             live_acceptance: Family::default(),
+            calibration_offset: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -295,6 +304,11 @@ impl Metrics {
             "dspark_spec_decode_live_acceptance_rate",
             "Live conditional acceptance rate per draft position (decayed)",
             m.live_acceptance.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_calibration_offset",
+            "Online logit offset on the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
+            m.calibration_offset.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -39,6 +39,18 @@ fn run(
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
 ) -> Vec<(String, usize, usize, usize)> {
+    run_with(speculation, policy, prompts, max_tokens, drafter, 0.0).0
+}
+
+/// [`run`] with online recalibration at step `online`; also returns the metrics text.
+fn run_with(
+    speculation: Speculation,
+    policy: VerifyPolicy,
+    prompts: &[String],
+    max_tokens: usize,
+    drafter: Option<std::path::PathBuf>,
+    online: f32,
+) -> (Vec<(String, usize, usize, usize)>, String) {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -52,6 +64,7 @@ fn run(
             speculation,
             policy,
             max_batch_tokens: 1024,
+            online_calibration: online,
             ..Default::default()
         },
         show_progress: false,
@@ -84,7 +97,8 @@ fn run(
             .unwrap();
         rxs.push(rx);
     }
-    rxs.into_iter()
+    let results = rxs
+        .into_iter()
         .map(|mut rx| {
             let mut text = String::new();
             loop {
@@ -102,7 +116,22 @@ fn run(
                 }
             }
         })
-        .collect()
+        .collect();
+    (results, state.metrics.render())
+}
+
+/// Plain decoding of the test prompts (computed once per test binary).
+fn plain(prompts: &[String]) -> &'static [(String, usize, usize, usize)] {
+    static PLAIN: OnceLock<Vec<(String, usize, usize, usize)>> = OnceLock::new();
+    PLAIN.get_or_init(|| {
+        run(
+            Speculation::None,
+            VerifyPolicy::Fixed { gamma: 1 },
+            prompts,
+            MAX_TOKENS,
+            None,
+        )
+    })
 }
 
 /// Every prompt's output under `speculation` equals plain decoding; returns the accepted
@@ -115,16 +144,7 @@ fn check(
     let prompts = prompts();
     assert!(prompts.len() >= 50, "only {} prompts", prompts.len());
     let max_tokens = MAX_TOKENS;
-    static PLAIN: OnceLock<Vec<(String, usize, usize, usize)>> = OnceLock::new();
-    let plain = PLAIN.get_or_init(|| {
-        run(
-            Speculation::None,
-            VerifyPolicy::Fixed { gamma: 1 },
-            &prompts,
-            max_tokens,
-            None,
-        )
-    });
+    let plain = plain(&prompts);
     let mut out = Vec::new();
     for &gamma in gammas {
         let spec = run(
@@ -191,4 +211,44 @@ fn shipped_markov_drafter_greedy_is_lossless() {
             "the trained drafter got only {a} draft tokens accepted"
         );
     }
+}
+
+/// Online recalibration moves the confidences the threshold policy cuts blocks with (the
+/// dspark policy too, but at 50 concurrent requests on a CPU it rarely verifies at all);
+/// the output stays the target's and the offsets are exported per mode and position.
+#[test]
+fn online_recalibration_with_a_confidence_policy_is_lossless() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    let prompts = prompts();
+    let plain = plain(&prompts);
+    let (spec, metrics) = run_with(
+        Speculation::DSparkMarkov,
+        VerifyPolicy::Threshold {
+            gamma: 7,
+            threshold: 0.2,
+        },
+        &prompts,
+        MAX_TOKENS,
+        Some(dir),
+        0.05,
+    );
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding");
+    }
+    let accepted: usize = spec.iter().map(|r| r.3).sum();
+    assert!(accepted > 20, "only {accepted} draft tokens accepted");
+    let offsets: Vec<f64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("dspark_spec_decode_calibration_offset{"))
+        .map(|l| {
+            assert!(l.contains("mode=\"greedy\""), "{l}");
+            l.rsplit(' ').next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert!(!offsets.is_empty(), "no calibration offsets exported");
+    assert!(
+        offsets.iter().any(|&o| o != 0.0),
+        "offsets never moved: {offsets:?}"
+    );
 }

@@ -5,11 +5,14 @@
 //! - [`verify`]: the acceptance rule (lossless for any draft distribution).
 //! - [`ngram`]: prompt-lookup drafting, training-free.
 //! - [`scheduler`]: the hardware-aware prefix scheduler (`--policy dspark`).
+//! - [`recalibrate`]: online per-position offsets on top of STS, learned from verify
+//!   outcomes (`serve --online-calibration`).
 //! - [`dspark`]: the DSpark drafter (parallel backbone on target features + sequential head
 //!   + confidence head); with no sequential head it is the DFlash-style parallel baseline.
 
 pub mod dspark;
 pub mod ngram;
+pub mod recalibrate;
 pub mod scheduler;
 pub mod verify;
 
@@ -56,6 +59,12 @@ pub struct Proposal {
     pub q: Vec<Dist>,
     /// Calibrated probability that token k passes given all earlier ones passed.
     pub confidence: Vec<f32>,
+}
+
+/// Whether a block was drafted for a greedy request (point-mass drafts), which selects the
+/// greedy calibration of the confidences.
+pub fn is_greedy(q: &[Dist]) -> bool {
+    matches!(q.first(), Some(Dist::Greedy(_)))
 }
 
 impl Proposal {

@@ -10,8 +10,10 @@ use super::optim::OptimConfig;
 use super::{train, TrainConfig};
 use crate::runtime;
 use crate::spec::dspark::{default_target_layers, DSparkDrafter, HeadKind};
-use anyhow::{bail, Context, Result};
+use crate::spec::recalibrate::OnlineCalibration;
+use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use std::cell::RefCell;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -380,6 +382,11 @@ pub struct EvalArgs {
     /// Seed of the sampling RNG (one stream per prompt, derived from it).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Online recalibration step, as `serve --online-calibration` (0: off): model drafters'
+    /// confidences get per-position offsets learned over each domain's prompts in order,
+    /// so ECE and the reliability diagram show the adapted confidences.
+    #[arg(long, default_value_t = 0.0)]
+    pub online_calibration: f32,
     /// JSON with every statistic (input of bench/drafter_table.py).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -423,6 +430,11 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
             a.temperature
         );
     }
+    ensure!(
+        a.online_calibration.is_finite() && (0.0..=1.0).contains(&a.online_calibration),
+        "--online-calibration must be a step between 0 (off) and 1, got {}",
+        a.online_calibration
+    );
     if cfg!(not(feature = "plots")) && a.plots.is_some() {
         bail!("--plots: this build has no plots (cargo feature `plots`)");
     }
@@ -445,6 +457,8 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
                 "{msg} [{bar:20}] {pos}/{len} prompts {elapsed_precise}",
             );
             pb.set_message(format!("{domain} / {name}"));
+            let recal = (a.online_calibration > 0.0)
+                .then(|| RefCell::new(OnlineCalibration::new(a.gamma, a.online_calibration)));
             let mut gens = Vec::new();
             for (i, p) in encoded.iter().enumerate() {
                 gens.push(generate(
@@ -457,12 +471,16 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
                         stop: &tok.stop_ids,
                         temperature: a.temperature,
                         seed: a.seed.wrapping_add(i as u64),
+                        recal: recal.as_ref(),
                     },
                 )?);
                 pb.inc(1);
             }
             pb.finish_and_clear();
             let mut s = aggregate(name, &domain, &gens, a.gamma);
+            if let (Some(oc), EvalDrafter::Model(_)) = (&recal, d) {
+                s.online_offsets = Some(oc.borrow().offsets(a.temperature == 0.0).to_vec());
+            }
             let outs: Vec<Vec<u32>> = gens.into_iter().map(|g| g.tokens).collect();
             match (&plain_out, matches!(d, EvalDrafter::Plain) && !sampled) {
                 (None, true) => plain_out = Some(outs),

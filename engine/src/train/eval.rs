@@ -13,12 +13,15 @@ use crate::kv::KvCache;
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{target_probs, Dist, SamplingParams};
 use crate::spec::dspark::{DSparkDrafter, DraftRequest};
+use crate::spec::is_greedy;
 use crate::spec::ngram;
+use crate::spec::recalibrate::OnlineCalibration;
 use crate::spec::verify::verify;
 use anyhow::{ensure, Result};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+use std::cell::RefCell;
 use std::time::Instant;
 
 /// A drafter under evaluation.
@@ -60,6 +63,9 @@ pub struct Decoding<'a> {
     /// verified by rejection sampling.
     pub temperature: f32,
     pub seed: u64,
+    /// Online recalibration of a model drafter's confidences, as `serve
+    /// --online-calibration` does (shared across the generations that pass it).
+    pub recal: Option<&'a RefCell<OnlineCalibration>>,
 }
 
 pub fn generate(
@@ -147,8 +153,11 @@ pub fn generate(
                         last_context: last_ctx.as_ref(),
                     }];
                     let t = Instant::now();
-                    let b = d.propose(dk, target, &mut reqs)?.pop().expect("one block");
+                    let mut b = d.propose(dk, target, &mut reqs)?.pop().expect("one block");
                     draft_seconds += t.elapsed().as_secs_f64();
+                    if let Some(oc) = dec.recal {
+                        oc.borrow().adjust(is_greedy(&b.q), &mut b.confidence);
+                    }
                     Some((b.tokens, b.q, b.confidence))
                 }
             }
@@ -186,6 +195,9 @@ pub fn generate(
             Some((t, q, conf)) => {
                 let p: Vec<Dist> = rows.iter().map(|r| target_probs(r, &params)).collect();
                 let v = verify(t, q, &p, &mut rng);
+                if let (Some(oc), EvalDrafter::Model(_)) = (dec.recal, drafter) {
+                    oc.borrow_mut().record(is_greedy(q), conf, v.accepted);
+                }
                 cycles.push(Cycle {
                     drafted: t.len(),
                     accepted: v.accepted,
@@ -265,6 +277,8 @@ pub struct DomainStats {
     pub ece_survival: Option<f64>,
     /// Whether every output equals the plain-decoding output (when that was run).
     pub matches_plain: Option<bool>,
+    /// The online offsets per position after the domain (`--online-calibration`).
+    pub online_offsets: Option<Vec<f32>>,
 }
 
 /// Aggregates generations of one drafter on one domain.
