@@ -195,6 +195,13 @@ def spec_board():
          "position {{position}}")], unit="percentunit", decimals=2,
         description="dspark_spec_decode_live_acceptance_rate{position}: the running estimate the "
         "dspark policy uses to choose verify lengths.")
+    b.panel("Online calibration offset by position (model drafters)", [
+        (f"avg by (model_name, mode, position) (dspark_spec_decode_calibration_offset{{{ENGINE}}})",
+         "{{mode}} position {{position}}")], decimals=2,
+        description="dspark_spec_decode_calibration_offset{mode,position}: the logit offset serve "
+        "--online-calibration adds to the drafter's STS-calibrated confidence, learned from verify "
+        "outcomes. Below 0: the head over-states acceptance on this traffic (a domain unlike its "
+        "calibration data); near 0: the offline calibration holds.")
     b.panel("Acceptance length (accepted tokens per draft)", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_accepted_tokens_total{{{ENGINE}}}[{RI}]))"
          f" / sum by (model_name, pool) (rate(dspark_spec_decode_num_drafts_total{{{ENGINE}}}[{RI}]))",
@@ -324,14 +331,17 @@ def render(fn):
 def main(argv):
     check = "--check" in argv
     stale = []
+    # The Helm chart ships the same boards (charts/dspark-operator/dashboards).
+    chart = HERE.parents[1] / "charts" / "dspark-operator" / "dashboards"
     for name, fn in BOARDS.items():
-        text, path = render(fn), HERE / name
-        if check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.write_text(text)
-            print(f"wrote {path}")
+        text = render(fn)
+        for path in (HERE / name, chart / name):
+            if check:
+                if not path.exists() or path.read_text() != text:
+                    stale.append(str(path.relative_to(HERE.parents[1])))
+            else:
+                path.write_text(text)
+                print(f"wrote {path}")
     if stale:
         print(f"out of date: {', '.join(stale)}; run python3 config/grafana/generate.py", file=sys.stderr)
         return 1

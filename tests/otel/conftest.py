@@ -109,7 +109,8 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine():
-    """dspark-engine serving SmolLM2 with n-gram speculation and the dspark policy, admin API on."""
+    """dspark-engine serving SmolLM2 with the shipped DSpark drafter (online recalibration)
+    and the dspark policy, admin API on."""
     binary = _bin("DSPARK_ENGINE_BIN", "dspark-engine")
     model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
@@ -121,7 +122,11 @@ def engine():
     env["DSPARK_ADMIN_TOKEN"] = token
     proc = subprocess.Popen(
         [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-         "--admin-port", str(admin_port), "--speculation", "ngram", "--policy", "dspark",
+         "--admin-port", str(admin_port), "--policy", "dspark",
+         # The shipped trained drafter with online recalibration (every drafter series moves).
+         "--speculation", "dspark-markov",
+         "--drafter", str(ROOT / "drafters" / "smollm2-135m-dspark-markov"),
+         "--online-calibration", "0.05",
          # The built-in default table until the test pushes one (the alert timeline).
          "--startup-profile", "false",
          "--kv-cache-mb", "128", "--max-model-len", "2048", "--threads", "1"],

@@ -3,8 +3,8 @@ dashboards (config/grafana/*.json) and the alert rules (config/prometheus/alerts
 return data, and the key panels are rendered from that data into a PNG (docs/img/dashboard.png
 when DSPARK_DASHBOARD_PNG says so, see PNG below).
 
-The stack (tests/otel/conftest.py): dspark-engine (SmolLM2, ngram speculation, dspark
-policy, admin API) and dspark-operator without a cluster (a kubeconfig naming a closed
+The stack (tests/otel/conftest.py): dspark-engine (SmolLM2, the shipped DSpark Markov
+drafter with online recalibration, dspark policy, admin API) and dspark-operator without a cluster (a kubeconfig naming a closed
 loopback port: its /metrics is served, its counters stay 0), both scraped every second by
 tests/otel/prometheus.sh with the alert rules loaded. During the run a client keeps sending
 requests (some streaming) and pushes a cost table (revision 1, source admin) and a bad one
