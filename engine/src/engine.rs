@@ -55,7 +55,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             speculation: Speculation::None,
             policy: VerifyPolicy::Fixed { gamma: 4 },
-            online_calibration: 0.0,
+            online_calibration: crate::spec::recalibrate::DEFAULT_STEP,
         }
     }
 }

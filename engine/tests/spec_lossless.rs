@@ -39,10 +39,12 @@ fn run(
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
 ) -> Vec<(String, usize, usize, usize)> {
-    run_with(speculation, policy, prompts, max_tokens, drafter, 0.0).0
+    let step = dspark_engine::spec::recalibrate::DEFAULT_STEP;
+    run_with(speculation, policy, prompts, max_tokens, drafter, step).0
 }
 
-/// [`run`] with online recalibration at step `online`; also returns the metrics text.
+/// [`run`] with online recalibration at step `online` (run: the serving default); also
+/// returns the metrics text.
 fn run_with(
     speculation: Speculation,
     policy: VerifyPolicy,
