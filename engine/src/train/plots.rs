@@ -8,6 +8,7 @@
 
 use super::eval::DomainStats;
 use anyhow::{Context, Result};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::path::{Path, PathBuf};
@@ -87,9 +88,9 @@ pub fn write_all(stats: &[DomainStats], gamma: usize, dir: &Path) -> Result<Vec<
 }
 
 fn per_domain(
-    root: &DrawingArea<BitMapBackend, Shift>,
+    root: &Area<'_>,
     domains: &[&str],
-    mut f: impl FnMut(&DrawingArea<BitMapBackend, Shift>, &str) -> Result<()>,
+    mut f: impl FnMut(&Area<'_>, &str) -> Result<()>,
 ) -> Result<()> {
     let areas = root.split_evenly((1, domains.len().max(1)));
     for (area, domain) in areas.iter().zip(domains) {
@@ -151,9 +152,42 @@ fn tau_bars(
             .label(*name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
+    legend(&mut chart, SeriesLabelPosition::UpperRight)
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+type Chart<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// One domain's panel with the common frame.
+fn panel<'a, 'b>(
+    area: &'a Area<'b>,
+    title: String,
+    x: std::ops::Range<f64>,
+    y: std::ops::Range<f64>,
+) -> Result<Chart<'a, 'b>> {
+    Ok(ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(35)
+        .y_label_area_size(40)
+        .build_cartesian_2d(x, y)?)
+}
+
+/// A drafter's line with markers and its legend entry.
+fn line(chart: &mut Chart<'_, '_>, pts: Vec<(f64, f64)>, c: RGBColor, label: String) -> Result<()> {
+    chart
+        .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
+        .label(label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
+    chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))?;
+    Ok(())
+}
+
+fn legend<'a, 'b: 'a>(chart: &mut Chart<'a, 'b>, at: SeriesLabelPosition) -> Result<()> {
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
+        .position(at)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()?;
@@ -168,15 +202,12 @@ fn acceptance(
     drafters: &[&str],
     gamma: usize,
 ) -> Result<()> {
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!("{domain}: acceptance given earlier positions"),
-            ("sans-serif", 18),
-        )
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(40)
-        .build_cartesian_2d(0.5f64..gamma as f64 + 0.5, 0f64..1.05)?;
+    let mut chart = panel(
+        area,
+        format!("{domain}: acceptance given earlier positions"),
+        0.5..gamma as f64 + 0.5,
+        0.0..1.05,
+    )?;
     chart
         .configure_mesh()
         .x_labels(gamma)
@@ -194,19 +225,9 @@ fn acceptance(
             .filter(|(_, (_, &r))| r >= MIN_REACHED)
             .map(|(k, (&a, _))| ((k + 1) as f64, a))
             .collect();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-            .label(s.drafter.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))?;
+        line(&mut chart, pts, c, s.drafter.clone())?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 /// Reliability diagram: mean confidence against observed acceptance per bin (model drafters).
@@ -216,15 +237,12 @@ fn reliability(
     domain: &str,
     drafters: &[&str],
 ) -> Result<()> {
-    let mut chart = ChartBuilder::on(area)
-        .caption(
-            format!("{domain}: confidence reliability"),
-            ("sans-serif", 18),
-        )
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(40)
-        .build_cartesian_2d(0f64..1f64, 0f64..1f64)?;
+    let mut chart = panel(
+        area,
+        format!("{domain}: confidence reliability"),
+        0.0..1.0,
+        0.0..1.0,
+    )?;
     chart
         .configure_mesh()
         .x_desc("confidence c_k (bin mean)")
@@ -246,19 +264,10 @@ fn reliability(
             .map(|b| (b.0, b.1))
             .collect();
         let ece = s.ece_conditional.unwrap_or(f64::NAN) * 100.0;
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))?
-            .label(format!("{} (ECE {ece:.1} %, bins >= {MIN_BIN})", s.drafter))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], c.stroke_width(2)));
-        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))?;
+        let label = format!("{} (ECE {ece:.1} %, bins >= {MIN_BIN})", s.drafter);
+        line(&mut chart, pts, c, label)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }
 
 #[cfg(test)]
