@@ -195,13 +195,16 @@ def spec_board():
          "position {{position}}")], unit="percentunit", decimals=2,
         description="dspark_spec_decode_live_acceptance_rate{position}: the running estimate the "
         "dspark policy uses to choose verify lengths.")
-    b.panel("Online calibration offset by position (model drafters)", [
+    b.panel("Online calibration by position (model drafters)", [
         (f"avg by (model_name, mode, position) (dspark_spec_decode_calibration_offset{{{ENGINE}}})",
-         "{{mode}} position {{position}}")], decimals=2,
-        description="dspark_spec_decode_calibration_offset{mode,position}: the logit offset serve "
-        "--online-calibration adds to the drafter's STS-calibrated confidence, learned from verify "
-        "outcomes. Below 0: the head over-states acceptance on this traffic (a domain unlike its "
-        "calibration data); near 0: the offline calibration holds.")
+         "offset {{mode}} position {{position}}"),
+        (f"avg by (model_name, mode, position) (dspark_spec_decode_calibration_scale{{{ENGINE}}})",
+         "scale {{mode}} position {{position}}")], decimals=2,
+        description="serve --online-calibration: c' = sigmoid(scale * logit(c) + offset) on the "
+        "drafter's STS-calibrated confidence c, learned from verify outcomes "
+        "(dspark_spec_decode_calibration_offset / _scale{mode,position}). Offset below 0: the head "
+        "over-states acceptance on this traffic; scale below 1: it is too sharp; offset 0 and "
+        "scale 1: the offline calibration holds.")
     b.panel("Acceptance length (accepted tokens per draft)", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_accepted_tokens_total{{{ENGINE}}}[{RI}]))"
          f" / sum by (model_name, pool) (rate(dspark_spec_decode_num_drafts_total{{{ENGINE}}}[{RI}]))",

@@ -592,14 +592,15 @@ impl Engine {
                 let greedy = is_greedy(&p.q);
                 oc.record(greedy, &p.confidence, accepted);
                 let mode = if greedy { "greedy" } else { "sampled" };
-                for (k, &off) in oc.offsets(greedy).iter().enumerate().take(accepted + 1) {
-                    self.metrics
-                        .calibration_offset
-                        .get_or_create(&ModePositionLabel {
-                            mode: mode.into(),
-                            position: k as u32,
-                        })
-                        .set(off as f64);
+                let params = oc.offsets(greedy).iter().zip(oc.scales(greedy));
+                for (k, (&off, &scale)) in params.enumerate().take(accepted + 1) {
+                    let label = ModePositionLabel {
+                        mode: mode.into(),
+                        position: k as u32,
+                    };
+                    let m = &self.metrics;
+                    m.calibration_offset.get_or_create(&label).set(off as f64);
+                    m.calibration_scale.get_or_create(&label).set(scale as f64);
                 }
             }
             if drafted > 0 {

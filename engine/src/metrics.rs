@@ -117,6 +117,7 @@ pub struct Metrics {
     /// scheduler did not verify, scored against the committed tokens).
     pub live_acceptance: Family<PositionLabel, Gauge<f64, AtomicU64>>,
     pub calibration_offset: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
+    pub calibration_scale: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -167,6 +168,7 @@ impl Metrics {
             cost_table_refusals: Counter::default(),
             live_acceptance: Family::default(),
             calibration_offset: Family::default(),
+            calibration_scale: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -309,6 +311,11 @@ impl Metrics {
             "dspark_spec_decode_calibration_offset",
             "Online logit offset on the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
             m.calibration_offset.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_calibration_scale",
+            "Online scale on the logit of the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
+            m.calibration_scale.clone(),
         );
         Metrics { registry, ..m }
     }

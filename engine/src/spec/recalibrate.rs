@@ -4,31 +4,43 @@
 //! on a domain the drafter never saw, the head over-states acceptance (docs/benchmarks.md:
 //! math, ECE 10-19 %), and the scheduler then verifies blocks that do not pay. Every verify
 //! step tells the truth about the positions it reached, so the engine keeps, per decoding
-//! mode and block position, a logit offset `d_k` on top of STS,
-//! `c'_k = sigmoid(logit(c_k) + d_k)`, and moves it by one step of stochastic gradient
-//! descent on the binary cross-entropy of `c'_k` against the outcome of every reached
-//! position (`d_k -= rate * (c'_k - accepted_k)`). Its fixed point is
-//! `mean c'_k = mean accepted_k` over recent traffic: calibration in the large, per
-//! position, that follows a drift of the traffic. It only moves verify lengths: the
-//! committed tokens are decided by the lossless verification alone.
+//! mode and block position, a scale `a_k` and an offset `d_k` on top of STS,
+//! `c'_k = sigmoid(a_k * logit(c_k) + d_k)` (online Platt scaling; `a = 1, d = 0` is the
+//! offline calibration), and moves them by one step of stochastic gradient descent on the
+//! binary cross-entropy of `c'_k` against the outcome of every reached position:
+//! `d_k -= rate * g`, `a_k -= rate * g * z / E[z^2]` with `g = c'_k - accepted_k` and
+//! `z = logit(c_k)` (the scale's step normalised by a running mean of `z^2`). The offset's
+//! fixed point is `mean c'_k = mean accepted_k` (calibration in the large), the scale's
+//! corrects a head that is too sharp or too flat on this traffic; both follow a drift. It
+//! only moves verify lengths: the committed tokens are decided by the lossless
+//! verification alone.
 
-/// The default step (`serve --online-calibration`): on the shipped drafter's math prompts,
-/// a domain its calibration data lacks, it took greedy ECE of the survival estimate from
-/// 19.1 % to 7.3 % within 515 verify cycles (0.02: 11.3 %, 0.1: 5.1 %) and left code and
-/// chat, which the offline calibration fits, at 1.5-2.1 % (docs/benchmarks.md).
+/// The default step (`serve --online-calibration`); docs/benchmarks.md (session 6) has the
+/// measurements behind it.
 pub const DEFAULT_STEP: f32 = 0.05;
 
 /// Offsets are clipped to this magnitude (a factor of e^4 on the odds).
 pub const MAX_OFFSET: f32 = 4.0;
+/// Scales stay within this range.
+pub const SCALE_RANGE: (f32, f32) = (0.1, 3.0);
 
-/// Per-mode, per-position logit offsets fitted online.
+/// One decoding mode's parameters per block position.
+#[derive(Debug, Clone)]
+struct ModeParams {
+    scale: Vec<f32>,
+    offset: Vec<f32>,
+    /// Running mean of `z^2` (the scale step's normaliser).
+    z2: Vec<f32>,
+    /// Outcomes seen.
+    seen: Vec<u64>,
+}
+
+/// Per-mode, per-position scales and offsets fitted online.
 #[derive(Debug, Clone)]
 pub struct OnlineCalibration {
     rate: f32,
-    /// `[sampled, greedy]` offsets per block position.
-    offsets: [Vec<f32>; 2],
-    /// Outcomes seen per mode and position.
-    seen: [Vec<u64>; 2],
+    /// `[sampled, greedy]`.
+    modes: [ModeParams; 2],
 }
 
 fn logit(c: f32) -> f32 {
@@ -41,47 +53,61 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 impl OnlineCalibration {
-    /// `positions`: longest block; `rate`: SGD step on the logit offset per outcome.
+    /// `positions`: longest block; `rate`: SGD step per outcome.
     pub fn new(positions: usize, rate: f32) -> Self {
+        let m = ModeParams {
+            scale: vec![1.0; positions],
+            offset: vec![0.0; positions],
+            z2: vec![1.0; positions],
+            seen: vec![0; positions],
+        };
         Self {
             rate,
-            offsets: [vec![0.0; positions], vec![0.0; positions]],
-            seen: [vec![0; positions], vec![0; positions]],
+            modes: [m.clone(), m],
         }
     }
 
     /// The offsets of a decoding mode (greedy or sampled).
     pub fn offsets(&self, greedy: bool) -> &[f32] {
-        &self.offsets[greedy as usize]
+        &self.modes[greedy as usize].offset
+    }
+
+    /// The scales of a decoding mode.
+    pub fn scales(&self, greedy: bool) -> &[f32] {
+        &self.modes[greedy as usize].scale
     }
 
     /// Outcomes recorded per position for a decoding mode.
     pub fn seen(&self, greedy: bool) -> &[u64] {
-        &self.seen[greedy as usize]
+        &self.modes[greedy as usize].seen
     }
 
-    /// Applies the offsets to a block's confidences in place.
+    /// Applies the scales and offsets to a block's confidences in place.
     pub fn adjust(&self, greedy: bool, confidence: &mut [f32]) {
-        let d = &self.offsets[greedy as usize];
-        for (k, c) in confidence.iter_mut().enumerate() {
-            let off = d.get(k).copied().unwrap_or(0.0);
-            if off != 0.0 {
-                *c = sigmoid(logit(*c) + off);
+        let m = &self.modes[greedy as usize];
+        for (k, c) in confidence.iter_mut().enumerate().take(m.scale.len()) {
+            if m.scale[k] != 1.0 || m.offset[k] != 0.0 {
+                *c = sigmoid(m.scale[k] * logit(*c) + m.offset[k]);
             }
         }
     }
 
     /// Learns from one verified block: `confidence` as adjusted (and used) for the verified
     /// positions, of which the first `accepted` passed; positions after the first rejection
-    /// were not decided and teach nothing.
+    /// were not decided and teach nothing. The head's own logit is recovered from the
+    /// adjusted confidence with the current parameters.
     pub fn record(&mut self, greedy: bool, confidence: &[f32], accepted: usize) {
-        let m = greedy as usize;
-        let n = confidence.len().min(self.offsets[m].len());
+        let m = &mut self.modes[greedy as usize];
+        let n = confidence.len().min(m.scale.len());
         for (k, &c) in confidence.iter().enumerate().take(n.min(accepted + 1)) {
             let y = if k < accepted { 1.0 } else { 0.0 };
-            let d = &mut self.offsets[m][k];
-            *d = (*d - self.rate * (c - y)).clamp(-MAX_OFFSET, MAX_OFFSET);
-            self.seen[m][k] += 1;
+            let z = (logit(c) - m.offset[k]) / m.scale[k];
+            let g = c - y;
+            m.z2[k] = 0.99 * m.z2[k] + 0.01 * z * z;
+            m.offset[k] = (m.offset[k] - self.rate * g).clamp(-MAX_OFFSET, MAX_OFFSET);
+            m.scale[k] = (m.scale[k] - self.rate * g * z / (m.z2[k] + 1e-3))
+                .clamp(SCALE_RANGE.0, SCALE_RANGE.1);
+            m.seen[k] += 1;
         }
     }
 }
@@ -128,13 +154,13 @@ mod tests {
                 "position {k}: confidence {m:.3} after adaptation, truth {}",
                 truth[k]
             );
-            assert!(oc.offsets(true)[k] < -1.0, "{:?}", oc.offsets(true));
         }
         // Position 1 only learns from blocks that reached it; positions never reached and
         // the other mode stay untouched.
         assert!(oc.seen(true)[1] < oc.seen(true)[0]);
         assert_eq!(oc.seen(true)[2..], [0, 0]);
         assert_eq!(oc.offsets(false), &[0.0; 4]);
+        assert_eq!(oc.scales(false), &[1.0; 4]);
         let mut c = vec![0.7f32];
         oc.adjust(false, &mut c);
         assert_eq!(c, vec![0.7]);
@@ -153,8 +179,13 @@ mod tests {
             oc.record(false, &conf, accepted);
         }
         assert!(oc.offsets(false)[0].abs() < 0.3, "{:?}", oc.offsets(false));
+        assert!(
+            (oc.scales(false)[0] - 1.0).abs() < 0.3,
+            "{:?}",
+            oc.scales(false)
+        );
         // A monotone map: a higher stated confidence stays higher.
-        oc.offsets[0][0] = -2.5;
+        oc.modes[0].offset[0] = -2.5;
         let (mut lo, mut hi) = ([0.3f32], [0.9f32]);
         oc.adjust(false, &mut lo);
         oc.adjust(false, &mut hi);
@@ -166,5 +197,36 @@ mod tests {
             oc.record(false, &c, 0);
         }
         assert_eq!(oc.offsets(false)[0], -MAX_OFFSET);
+    }
+
+    /// A head twice as sharp as the truth (`P(accept) = sigmoid(z / 2)`), unbiased: an
+    /// offset cannot fix it, the scale goes to about 1/2 and the reliability error drops.
+    #[test]
+    fn scale_corrects_an_overly_sharp_head() {
+        let mut oc = OnlineCalibration::new(1, 0.05);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (mut err_before, mut err_after) = (0.0f64, 0.0f64);
+        let n = 20_000;
+        for i in 0..n {
+            let z: f32 = rng.random_range(-4.0..4.0);
+            let truth = sigmoid(z / 2.0);
+            let mut conf = [sigmoid(z)];
+            oc.adjust(false, &mut conf);
+            if i >= n / 2 {
+                err_before += (sigmoid(z) - truth).abs() as f64;
+                err_after += (conf[0] - truth).abs() as f64;
+            }
+            let accepted = rng.random_bool(truth as f64) as usize;
+            oc.record(false, &conf, accepted);
+        }
+        let a = oc.scales(false)[0];
+        assert!((a - 0.5).abs() < 0.12, "scale {a}");
+        assert!(oc.offsets(false)[0].abs() < 0.25, "{:?}", oc.offsets(false));
+        assert!(
+            err_after < 0.3 * err_before,
+            "mean |c - p| {:.3} -> {:.3}",
+            err_before / (n / 2) as f64,
+            err_after / (n / 2) as f64
+        );
     }
 }

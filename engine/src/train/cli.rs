@@ -479,7 +479,9 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
             pb.finish_and_clear();
             let mut s = aggregate(name, &domain, &gens, a.gamma);
             if let (Some(oc), EvalDrafter::Model(_)) = (&recal, d) {
-                s.online_offsets = Some(oc.borrow().offsets(a.temperature == 0.0).to_vec());
+                let greedy = a.temperature == 0.0;
+                s.online_offsets = Some(oc.borrow().offsets(greedy).to_vec());
+                s.online_scales = Some(oc.borrow().scales(greedy).to_vec());
             }
             let outs: Vec<Vec<u32>> = gens.into_iter().map(|g| g.tokens).collect();
             match (&plain_out, matches!(d, EvalDrafter::Plain) && !sampled) {

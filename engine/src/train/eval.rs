@@ -277,8 +277,10 @@ pub struct DomainStats {
     pub ece_survival: Option<f64>,
     /// Whether every output equals the plain-decoding output (when that was run).
     pub matches_plain: Option<bool>,
-    /// The online offsets per position after the domain (`--online-calibration`).
+    /// The online offsets and scales per position after the domain
+    /// (`--online-calibration`).
     pub online_offsets: Option<Vec<f32>>,
+    pub online_scales: Option<Vec<f32>>,
 }
 
 /// Aggregates generations of one drafter on one domain.
