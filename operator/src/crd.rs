@@ -285,6 +285,11 @@ pub struct SchedulerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub threshold: Option<f64>,
+    /// Step of the engine's online recalibration of the drafter's confidences from verify
+    /// outcomes (`serve --online-calibration`; 0 turns it off; unset: the engine default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub online_calibration: Option<f64>,
 }
 
 /// Speculative decoding mode (`--speculation`).

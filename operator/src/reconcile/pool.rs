@@ -289,6 +289,9 @@ fn engine_env(dsd: &DSparkDeployment, pool: &NodePool) -> Vec<EnvVar> {
         if let Some(t) = s.threshold {
             env.push(var("DSPARK_THRESHOLD", t.to_string()));
         }
+        if let Some(r) = s.online_calibration {
+            env.push(var("DSPARK_ONLINE_CALIBRATION", r.to_string()));
+        }
     }
     env.extend(dsd.spec.engine.env.iter().cloned());
     env
@@ -643,6 +646,7 @@ pub(crate) mod tests {
             .collect();
         assert_eq!(env["DSPARK_GAMMA"], "7");
         assert_eq!(env["DSPARK_THRESHOLD"], "0.4");
+        assert_eq!(env["DSPARK_ONLINE_CALIBRATION"], "0.05");
         assert_eq!(env["RUST_LOG"], "info");
         assert_eq!(spec.selector.match_labels.unwrap()[LABEL_POOL], "a100");
     }
