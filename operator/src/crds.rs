@@ -47,7 +47,7 @@ mod tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         for dir in ["crds", "charts/dspark-operator/crds"] {
             for (file, yaml) in super::render().unwrap() {
-                let path = root.join(dir).join(&file);
+                let path = root.join(dir).join(file);
                 let committed = std::fs::read_to_string(&path).unwrap_or_default();
                 assert!(
                     committed == yaml,
