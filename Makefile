@@ -15,6 +15,7 @@ CARGO ?= cargo
 .PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e
 
 build:
+	scripts/build-deps.sh
 	$(CARGO) build --release --workspace
 
 setup:

@@ -13,17 +13,6 @@ step() { printf '\n== %s\n' "$*"; }
 step "rust components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
-step "fontconfig + freetype (eval --plots draws text with a system font)"
-if pkg-config --exists fontconfig freetype2 && fc-list : family 2>/dev/null | grep -q .; then
-  echo "fontconfig, freetype and a sans-serif font present"
-else
-  fonts_install() {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      pkg-config libfontconfig-dev libfreetype-dev fonts-dejavu-core
-  }
-  fonts_install || { apt-get update && fonts_install; }
-fi
-
 step "python test packages"
 "$PY" -m pip install -q -r tests/python/requirements.txt -r bench/requirements.txt
 

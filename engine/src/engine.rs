@@ -213,7 +213,7 @@ pub struct Engine {
     costs: Arc<CostTables>,
     /// Live per-position acceptance, the confidences of drafters without a confidence head.
     acceptance: AcceptanceStats,
-    /// Online offsets on the model drafter's calibrated confidences (when enabled).
+    /// Online scales and offsets on the model drafter's calibrated confidences (when on).
     recal: Option<OnlineCalibration>,
     /// Seconds per model-drafter call (moving average), for the drafting gate.
     draft_secs: f64,

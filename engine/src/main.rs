@@ -130,8 +130,9 @@ struct ServeArgs {
     #[arg(long, env = "DSPARK_THRESHOLD", default_value_t = 0.5)]
     threshold: f32,
     /// Online recalibration of a model drafter's confidences from verify outcomes: the SGD
-    /// step of a per-position logit offset on top of STS, per decoding mode (0: off). Keeps
-    /// the threshold and dspark policies honest on traffic unlike the calibration data.
+    /// step of a per-position scale and offset on the logit, on top of STS, per decoding
+    /// mode (0: off). Keeps the threshold and dspark policies honest on traffic unlike the
+    /// calibration data.
     #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::spec::recalibrate::DEFAULT_STEP)]
     online_calibration: f32,
     /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.

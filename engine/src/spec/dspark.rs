@@ -163,6 +163,17 @@ pub fn default_target_layers(num_target_layers: usize, count: usize) -> Vec<usiz
 }
 
 impl DSparkConfig {
+    /// This config with every STS calibration field cleared (the architecture alone).
+    pub fn without_sts(&self) -> Self {
+        Self {
+            sts_temperatures: None,
+            sts_offsets: None,
+            sts_temperatures_greedy: None,
+            sts_offsets_greedy: None,
+            ..self.clone()
+        }
+    }
+
     fn seq_rank(&self) -> usize {
         match self.markov_head_type {
             HeadKind::Parallel => 0,

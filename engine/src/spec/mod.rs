@@ -5,7 +5,7 @@
 //! - [`verify`]: the acceptance rule (lossless for any draft distribution).
 //! - [`ngram`]: prompt-lookup drafting, training-free.
 //! - [`scheduler`]: the hardware-aware prefix scheduler (`--policy dspark`).
-//! - [`recalibrate`]: online per-position offsets on top of STS, learned from verify
+//! - [`recalibrate`]: online per-position scales and offsets on top of STS, learned from verify
 //!   outcomes (`serve --online-calibration`).
 //! - [`dspark`]: the DSpark drafter (parallel backbone on target features + sequential head
 //!   + confidence head); with no sequential head it is the DFlash-style parallel baseline.

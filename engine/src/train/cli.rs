@@ -383,7 +383,7 @@ pub struct EvalArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Online recalibration step, as `serve --online-calibration` (0: off): model drafters'
-    /// confidences get per-position offsets learned over each domain's prompts in order,
+    /// confidences get per-position scales and offsets learned over each domain's prompts in order,
     /// so ECE and the reliability diagram show the adapted confidences.
     #[arg(long, default_value_t = 0.0)]
     pub online_calibration: f32,

@@ -180,20 +180,11 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     let d = DSparkDrafter::load(dir, target)
         .with_context(|| format!("--init {}: cannot load the drafter", dir.display()))?;
     let c = d.config();
-    let mut want = cfg.clone();
+    let mut want = cfg.without_sts();
     if c.draft_vocab.is_some() && c.draft_vocab_size() == cfg.draft_vocab_size() {
         want.draft_vocab = c.draft_vocab.clone();
     }
-    want.sts_temperatures = None;
-    want.sts_temperatures_greedy = None;
-    want.sts_offsets_greedy = None;
-    want.sts_offsets = None;
-    let mut have = c.clone();
-    have.sts_temperatures = None;
-    have.sts_temperatures_greedy = None;
-    have.sts_offsets_greedy = None;
-    have.sts_offsets = None;
-    if have != want {
+    if c.without_sts() != want {
         bail!(
             "--init {}: its drafter (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}, context input {}) differs from this run's (head {:?}, block {}, layers {}, rank {}, target layers {:?}, draft vocab {}, context input {})",
             dir.display(),
@@ -242,11 +233,7 @@ pub fn train(
             );
         }
         let d = DSparkDrafter::load(out, target)?;
-        let mut d_cfg = d.config().clone();
-        d_cfg.sts_temperatures = None;
-        d_cfg.sts_temperatures_greedy = None;
-        d_cfg.sts_offsets_greedy = None;
-        d_cfg.sts_offsets = None;
+        let d_cfg = d.config().without_sts();
         let vars = candle_core::safetensors::load(out.join(VARS), &target.device)
             .with_context(|| format!("cannot read {}", out.join(VARS).display()))?;
         (
