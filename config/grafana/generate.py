@@ -334,17 +334,14 @@ def render(fn):
 def main(argv):
     check = "--check" in argv
     stale = []
-    # The Helm chart ships the same boards (charts/dspark-operator/dashboards).
-    chart = HERE.parents[1] / "charts" / "dspark-operator" / "dashboards"
     for name, fn in BOARDS.items():
-        text = render(fn)
-        for path in (HERE / name, chart / name):
-            if check:
-                if not path.exists() or path.read_text() != text:
-                    stale.append(str(path.relative_to(HERE.parents[1])))
-            else:
-                path.write_text(text)
-                print(f"wrote {path}")
+        text, path = render(fn), HERE / name
+        if check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
     if stale:
         print(f"out of date: {', '.join(stale)}; run python3 config/grafana/generate.py", file=sys.stderr)
         return 1
