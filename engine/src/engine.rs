@@ -11,7 +11,7 @@ use crate::kv::KvCache;
 use crate::metrics::{FinishLabel, Metrics, ModePositionLabel, PositionLabel};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
-use crate::spec::dspark::{DSparkDrafter, DraftRequest};
+use crate::spec::dspark::{ContextFeed, DSparkDrafter, DraftRequest};
 use crate::spec::recalibrate::OnlineCalibration;
 use crate::spec::{
     is_greedy, ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy,
@@ -176,6 +176,10 @@ struct Seq {
     draft_blocks: Vec<u32>,
     /// The drafter's context feature of the last position fed (context-input drafters).
     draft_ctx: Option<candle_core::Tensor>,
+    /// Committed positions whose features are in the drafter's context cache
+    /// (`draft_fed + draft_pending.rows == cached`).
+    draft_fed: usize,
+    draft_pending: PendingFeatures,
     /// A deterministic draft that was not verified (the policy chose length 0), kept to be
     /// checked against the tokens the target commits next: `(position of its first token,
     /// tokens)`. For a point-mass draft the chance that the target's own token matches is
@@ -332,6 +336,8 @@ impl Engine {
             accepted_tokens: 0,
             draft_blocks: Vec::new(),
             draft_ctx: None,
+            draft_fed: 0,
+            draft_pending: PendingFeatures::default(),
             shadow: None,
             phase: tracing::info_span!(target: TRACE_TARGET, parent: &req.span, "phase", otel.name = "queue"),
             req,
@@ -351,12 +357,56 @@ impl Engine {
             .set(used as f64 / self.kv.total_blocks() as f64);
     }
 
+    /// Writes the held features of sequences `idx` into the drafter's context cache in one
+    /// batched pass. A sequence the drafter cache cannot hold keeps its backlog (and decodes
+    /// without drafting until there is room).
+    fn feed_drafter(&mut self, idx: &[usize]) -> Result<()> {
+        let Some(d) = self.drafter.as_mut() else {
+            return Ok(());
+        };
+        let (mut fed, mut hidden) = (Vec::new(), Vec::new());
+        for &i in idx {
+            let s = &mut self.running[i];
+            if s.draft_pending.rows == 0 || !d.kv.ensure(&mut s.draft_blocks, s.cached) {
+                continue;
+            }
+            hidden.push(s.draft_pending.take()?);
+            fed.push(i);
+        }
+        if fed.is_empty() {
+            return Ok(());
+        }
+        let feeds: Vec<ContextFeed> = fed
+            .iter()
+            .zip(&hidden)
+            .map(|(&i, h)| {
+                let s = &self.running[i];
+                ContextFeed {
+                    table: &s.draft_blocks,
+                    start: s.draft_fed,
+                    hidden: h,
+                }
+            })
+            .collect();
+        let last = d.model.append_contexts(&mut d.kv, &feeds)?;
+        for (&i, c) in fed.iter().zip(last) {
+            let s = &mut self.running[i];
+            s.draft_fed = s.cached;
+            if c.is_some() {
+                s.draft_ctx = c;
+            }
+        }
+        Ok(())
+    }
+
     fn release(&mut self, s: &mut Seq) {
         self.kv.truncate(&mut s.blocks, 0);
         if let Some(d) = &mut self.drafter {
             d.kv.truncate(&mut s.draft_blocks, 0);
         }
         s.draft_ctx = None;
+        s.draft_fed = 0;
+        s.draft_pending = PendingFeatures::default();
         s.cached = 0;
     }
 
@@ -536,8 +586,9 @@ impl Engine {
                 self.metrics.prompt_tokens.inc_by(prompt_part as u64);
             }
             if sb.num_logits == 0 {
-                if let Some(d) = &mut self.drafter {
-                    feed_drafter(d, s, &out.hidden, first_row, sb.tokens.len())?;
+                if self.drafter.is_some() {
+                    s.draft_pending
+                        .push(&out.hidden, first_row, sb.tokens.len())?;
                 }
                 s.cached += sb.tokens.len();
                 continue;
@@ -562,8 +613,8 @@ impl Engine {
             // rejected positions are rolled back.
             let drafted = pl.proposal.as_ref().map_or(0, |p| p.tokens.len());
             let valid = sb.tokens.len() - drafted + accepted;
-            if let Some(d) = &mut self.drafter {
-                feed_drafter(d, s, &out.hidden, first_row, valid)?;
+            if self.drafter.is_some() {
+                s.draft_pending.push(&out.hidden, first_row, valid)?;
             }
             s.cached += valid;
             if let Some(d) = &mut self.drafter {
@@ -634,6 +685,12 @@ impl Engine {
             let mut s = self.running.swap_remove(i);
             self.finish(&mut s, reason);
         }
+        // Long backlogs (prefill chunks, or decoding while the gate keeps the drafter off)
+        // go into the drafter cache now, so held features stay small.
+        let backlog: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].draft_pending.rows >= FEED_BACKLOG_ROWS)
+            .collect();
+        self.feed_drafter(&backlog)?;
         self.publish_counts();
         Ok(())
     }
@@ -705,6 +762,13 @@ impl Engine {
         if who.is_empty() {
             return Ok(out);
         }
+        // The drafter's context must reach the anchor: feed the held features first, timed
+        // with the drafting itself (the gate charges both to drafting).
+        let t0 = std::time::Instant::now();
+        let idx: Vec<usize> = who.iter().map(|w| w.0).collect();
+        self.feed_drafter(&idx)?;
+        who.retain(|&(i, _)| self.running[i].draft_fed == self.running[i].cached);
+        let d = self.drafter.as_mut().expect("checked");
         let idx: Vec<usize> = who.iter().map(|w| w.0).collect();
         let mut seqs: Vec<&mut Seq> = self
             .running
@@ -726,7 +790,6 @@ impl Engine {
                 last_context: s.draft_ctx.as_ref(),
             })
             .collect();
-        let t0 = std::time::Instant::now();
         let blocks = d.model.propose(&mut d.kv, &self.model, &mut reqs)?;
         let dt = t0.elapsed().as_secs_f64();
         self.draft_secs = if self.draft_secs == 0.0 {
@@ -995,33 +1058,49 @@ impl Engine {
     }
 }
 
-/// Writes the drafter's context features for `n` newly committed positions of `s` (target
-/// hidden-state rows `first_row..first_row + n` of this step).
-fn feed_drafter(
-    d: &mut Drafter,
-    s: &mut Seq,
-    hidden: &[candle_core::Tensor],
-    first_row: usize,
-    n: usize,
-) -> Result<()> {
-    if n == 0 {
-        return Ok(());
-    }
-    if !d.kv.ensure(&mut s.draft_blocks, s.cached + n) {
-        anyhow::bail!("the drafter's KV cache is full; raise --kv-cache-mb");
-    }
-    let rows: Vec<candle_core::Tensor> = hidden
-        .iter()
-        .map(|h| h.narrow(0, first_row, n))
-        .collect::<candle_core::Result<_>>()?;
-    if let Some(c) = d
-        .model
-        .append_context(&mut d.kv, &s.draft_blocks, s.cached, &rows)?
-    {
-        s.draft_ctx = Some(c);
-    }
-    Ok(())
+/// Target hidden-state rows of committed positions `draft_fed..cached` not yet written into
+/// the drafter's context cache. Feeding waits for the step that drafts (one batched pass
+/// over every drafting sequence), so while the gate keeps a drafter off it costs these
+/// copies only, and plain decoding keeps its speed.
+#[derive(Default)]
+struct PendingFeatures {
+    /// Per target layer, chunks of `[rows, hidden]` in position order.
+    layers: Vec<Vec<candle_core::Tensor>>,
+    rows: usize,
 }
+
+impl PendingFeatures {
+    /// Keeps rows `first_row..first_row + n` of this step's hidden states (copied, so the
+    /// step's whole batch is not held).
+    fn push(&mut self, hidden: &[candle_core::Tensor], first_row: usize, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if self.layers.is_empty() {
+            self.layers = vec![Vec::new(); hidden.len()];
+        }
+        for (chunks, h) in self.layers.iter_mut().zip(hidden) {
+            chunks.push(h.narrow(0, first_row, n)?.force_contiguous()?);
+        }
+        self.rows += n;
+        Ok(())
+    }
+
+    /// All held rows, one `[rows, hidden]` tensor per target layer; empties the backlog.
+    fn take(&mut self) -> Result<Vec<candle_core::Tensor>> {
+        let out = self
+            .layers
+            .iter()
+            .map(|c| candle_core::Tensor::cat(c, 0))
+            .collect::<candle_core::Result<_>>()?;
+        *self = Self::default();
+        Ok(out)
+    }
+}
+
+/// A pending backlog this long is fed at the end of the step even if the sequence does not
+/// draft (twice the gate's probe period, so a gated-off decode never reaches it first).
+const FEED_BACKLOG_ROWS: usize = 2 * DRAFT_PROBE;
 
 /// One sequence's share of a step.
 struct Planned {

@@ -296,6 +296,16 @@ fn check_offsets(block_size: usize, offsets: Option<&[f32]>) -> std::result::Res
     }
 }
 
+/// One sequence's committed positions `start..start + n` for
+/// [`DSparkDrafter::append_contexts`].
+pub struct ContextFeed<'a> {
+    /// The sequence's block table in the drafter cache, covering `start + n`.
+    pub table: &'a [u32],
+    pub start: usize,
+    /// The target's outputs of `target_layers()` for those positions, `[n, hidden]` each.
+    pub hidden: &'a [Tensor],
+}
+
 /// One request's drafting input.
 pub struct DraftRequest<'a> {
     /// Last committed token `x_0`.
@@ -843,51 +853,86 @@ impl DSparkDrafter {
         start: usize,
         hidden: &[Tensor],
     ) -> Result<Option<Tensor>> {
+        let feed = ContextFeed {
+            table,
+            start,
+            hidden,
+        };
+        Ok(self.append_contexts(kv, &[feed])?.pop().flatten())
+    }
+
+    /// [`Self::append_context`] for several sequences in one batched pass (one `fc`, one
+    /// projection per layer and one cache write for all their rows): the engine feeds every
+    /// sequence that is about to draft this way. Returns each feed's last context feature
+    /// (`None` for an empty feed or without `context_input`), in input order.
+    pub fn append_contexts(
+        &self,
+        kv: &mut KvCache,
+        feeds: &[ContextFeed<'_>],
+    ) -> Result<Vec<Option<Tensor>>> {
         self.check_cache(kv)?;
-        if hidden.len() != self.cfg.target_layer_ids.len() {
-            bail!(
-                "append_context got {} hidden-state tensors, the drafter uses {} target layers",
-                hidden.len(),
-                self.cfg.target_layer_ids.len()
-            );
-        }
-        let n = hidden[0].dim(0)?;
-        for h in hidden {
-            if h.dims() != [n, self.cfg.hidden_size] {
+        let layers = self.cfg.target_layer_ids.len();
+        let mut positions: Vec<u32> = Vec::new();
+        let mut slots: Vec<u32> = Vec::new();
+        let mut rows: Vec<Vec<&Tensor>> = vec![Vec::new(); layers];
+        let mut last_row: Vec<Option<usize>> = Vec::with_capacity(feeds.len());
+        for f in feeds {
+            if f.hidden.len() != layers {
                 bail!(
-                    "append_context: hidden states of shape {:?}, expected [{n}, {}]",
-                    h.dims(),
-                    self.cfg.hidden_size
+                    "append_context got {} hidden-state tensors, the drafter uses {layers} target layers",
+                    f.hidden.len()
                 );
             }
+            let n = f.hidden[0].dim(0)?;
+            for h in f.hidden {
+                if h.dims() != [n, self.cfg.hidden_size] {
+                    bail!(
+                        "append_context: hidden states of shape {:?}, expected [{n}, {}]",
+                        h.dims(),
+                        self.cfg.hidden_size
+                    );
+                }
+            }
+            if n == 0 {
+                last_row.push(None);
+                continue;
+            }
+            if f.table.len() * kv.block_size < f.start + n {
+                bail!(
+                    "append_context: block table of {} blocks does not cover position {}",
+                    f.table.len(),
+                    f.start + n - 1
+                );
+            }
+            positions.extend((f.start..f.start + n).map(|p| p as u32));
+            slots.extend((f.start..f.start + n).map(|p| kv.slot(f.table, p) as u32));
+            for (li, h) in f.hidden.iter().enumerate() {
+                rows[li].push(h);
+            }
+            last_row.push(Some(positions.len() - 1));
         }
-        if n == 0 {
-            return Ok(None);
+        if positions.is_empty() {
+            return Ok(vec![None; feeds.len()]);
         }
-        if table.len() * kv.block_size < start + n {
-            bail!(
-                "append_context: block table of {} blocks does not cover position {}",
-                table.len(),
-                start + n - 1
-            );
-        }
-        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        let slots: Vec<u32> = (start..start + n)
-            .map(|p| kv.slot(table, p) as u32)
-            .collect();
         let (cos, sin) = self.rope_at(&positions)?;
         let idx = slot_index(&slots, self.kv_dim(), &self.device)?;
-        let ctx = self.fc.forward(&Tensor::cat(hidden, 1)?)?;
+        let per_layer: Vec<Tensor> = rows
+            .iter()
+            .map(|r| Tensor::cat(r, 0))
+            .collect::<candle_core::Result<_>>()?;
+        let ctx = self.fc.forward(&Tensor::cat(&per_layer, 1)?)?;
         let ctx = rms_norm(&ctx, &self.hidden_norm, self.eps)?;
         for (li, l) in self.layers.iter().enumerate() {
             let (k, v) = self.key_values(l, &ctx, &cos, &sin)?;
             kv.write(li, &idx, &k, &v)?;
         }
-        Ok(if self.cfg.context_input {
-            Some(ctx.get(n - 1)?)
-        } else {
-            None
-        })
+        last_row
+            .into_iter()
+            .map(|r| match r {
+                Some(r) if self.cfg.context_input => Ok(Some(ctx.get(r)?)),
+                _ => Ok(None),
+            })
+            .collect()
     }
 
     /// The parallel backbone over all requests' blocks in one batched forward: returns the

@@ -77,7 +77,7 @@ fn prime(
         last_ctx = d.append_context(dkv, &table, start, &part).unwrap();
         start += n;
     }
-    assert_eq!(last_ctx.is_some(), d.config().context_input);
+    assert_eq!(last_ctx.is_some(), d.config().context_input && len > 1);
     Seq {
         id,
         table,
@@ -406,6 +406,71 @@ fn context_in_chunks_equals_context_at_once() {
         let a = draft(&d, &target, &mut k1, &[&once], &sampled(), 1);
         let b = draft(&d, &target, &mut k2, &[&chunked], &sampled(), 1);
         assert_blocks_close(&a[0], &b[0], 1e-5);
+    }
+}
+
+#[test]
+fn contexts_fed_together_equal_each_fed_alone() {
+    // The engine feeds every drafting sequence's backlog in one `append_contexts` pass:
+    // rows of different sequences (and an empty feed) must not mix.
+    let target = tiny_target();
+    for context_input in [false, true] {
+        let d = drafter(&target, HeadKind::Markov, |c| {
+            c.context_input = context_input
+        });
+        let (mut alone_kv, mut together_kv) = (cache(&d), cache(&d));
+        let lens = [(1u64, 9usize), (2, 1), (3, 20)];
+        let alone: Vec<Seq> = lens
+            .iter()
+            .map(|&(id, len)| prime(&target, &d, &mut alone_kv, id, len, GAMMA, 64))
+            .collect();
+        let mut tables = Vec::new();
+        let mut hidden = Vec::new();
+        for &(id, len) in &lens {
+            let h = target_hidden(&target, &d, &prompt(id, len));
+            hidden.push(
+                h.iter()
+                    .map(|t| t.narrow(0, 0, len - 1).unwrap())
+                    .collect::<Vec<_>>(),
+            );
+            let mut table = Vec::new();
+            assert!(together_kv.ensure(&mut table, len - 1 + GAMMA));
+            tables.push(table);
+        }
+        let feeds: Vec<ContextFeed> = tables
+            .iter()
+            .zip(&hidden)
+            .map(|(table, hidden)| ContextFeed {
+                table,
+                start: 0,
+                hidden,
+            })
+            .collect();
+        let last = d.append_contexts(&mut together_kv, &feeds).unwrap();
+        assert_eq!(last.len(), 3);
+        // The one-token prompt has an empty context: nothing fed, no feature.
+        assert!(last[1].is_none());
+        for (i, (a, last)) in alone.iter().zip(last).enumerate() {
+            if a.anchor_pos == 0 {
+                continue;
+            }
+            assert_eq!(last.is_some(), context_input);
+            if let (Some(x), Some(y)) = (&last, &a.last_ctx) {
+                let (x, y) = (x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap());
+                assert!(max_diff(&x, &y) < 1e-5, "sequence {i}");
+            }
+            let together = Seq {
+                id: a.id,
+                table: tables[i].clone(),
+                anchor: a.anchor,
+                anchor_pos: a.anchor_pos,
+                gamma: a.gamma,
+                last_ctx: last,
+            };
+            let x = draft(&d, &target, &mut together_kv, &[&together], &sampled(), 3);
+            let y = draft(&d, &target, &mut alone_kv, &[a], &sampled(), 3);
+            assert_blocks_close(&x[0], &y[0], 1e-5);
+        }
     }
 }
 
