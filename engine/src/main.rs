@@ -30,6 +30,8 @@ enum Cmd {
     Calibrate(dspark_engine::train::cli::CalibrateArgs),
     /// Measure acceptance (tau, per position), calibration and speed of drafters.
     Eval(dspark_engine::train::cli::EvalArgs),
+    /// Rewrite a drafter checkpoint (e.g. --compact-w1).
+    Convert(dspark_engine::train::cli::ConvertArgs),
 }
 
 #[derive(clap::Args)]
@@ -167,6 +169,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Train(a) => dspark_engine::train::cli::run_train(a),
         Cmd::Calibrate(a) => dspark_engine::train::cli::run_calibrate(a),
         Cmd::Eval(a) => dspark_engine::train::cli::run_eval(a),
+        Cmd::Convert(a) => dspark_engine::train::cli::run_convert(a),
     }
 }
 

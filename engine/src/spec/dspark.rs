@@ -126,6 +126,12 @@ pub struct DSparkConfig {
     /// Reduced draft vocabulary: target ids the draft LM head (and `W2`) cover, in row order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft_vocab: Option<Vec<u32>>,
+    /// `W1` holds one row per `draft_vocab` id plus a last row shared by every other target
+    /// token, so the head grows with the draft vocabulary, not the target's. Only the
+    /// anchor `x_0` can be such a token (later `x_{k-1}` are drafted). Written by
+    /// `dspark-engine convert --compact-w1`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compact_w1: bool,
 }
 
 fn default_num_layers() -> usize {
@@ -184,6 +190,26 @@ impl DSparkConfig {
     /// Rows of the draft LM head.
     pub fn draft_vocab_size(&self) -> usize {
         self.draft_vocab.as_ref().map_or(self.vocab_size, Vec::len)
+    }
+
+    /// Rows of `W1`.
+    pub fn w1_rows(&self) -> usize {
+        if self.compact_w1 {
+            self.draft_vocab_size() + 1
+        } else {
+            self.vocab_size
+        }
+    }
+
+    /// With `compact_w1`: the `W1` row of every target id (its draft-vocabulary index, or
+    /// the shared last row); `None` when `W1` is indexed by target id.
+    pub fn w1_index(&self) -> Option<Vec<u32>> {
+        let vocab = self.draft_vocab.as_ref().filter(|_| self.compact_w1)?;
+        let mut index = vec![vocab.len() as u32; self.vocab_size];
+        for (row, &id) in vocab.iter().enumerate() {
+            index[id as usize] = row as u32;
+        }
+        Some(index)
     }
 
     /// Whether this config fits `target`, as an error naming what does not.
@@ -265,6 +291,14 @@ impl DSparkConfig {
             if vocab.iter().collect::<HashSet<_>>().len() != vocab.len() {
                 return Err("draft_vocab has duplicate ids".into());
             }
+        }
+        if self.compact_w1 && self.draft_vocab.is_none() {
+            return Err("compact_w1 needs a draft_vocab".into());
+        }
+        if self.compact_w1 && self.markov_head_type == HeadKind::Parallel {
+            return Err(
+                "compact_w1 needs a Markov or RNN head (the parallel head has no W1)".into(),
+            );
         }
         Ok(())
     }
@@ -389,7 +423,7 @@ fn param_specs(cfg: &DSparkConfig) -> Vec<ParamSpec> {
         );
     }
     if cfg.markov_head_type != HeadKind::Parallel {
-        add(head::W1.into(), vec![v, r], Init::Uniform(1.0));
+        add(head::W1.into(), vec![cfg.w1_rows(), r], Init::Uniform(1.0));
         add(head::W2.into(), vec![cfg.draft_vocab_size(), r], lin(r));
     }
     if cfg.markov_head_type == HeadKind::Rnn {
@@ -441,6 +475,8 @@ pub struct DSparkDrafter {
     mask_row: Tensor,
     /// Rows of the target's LM head for `draft_vocab` (None: the full head).
     draft_lm_head: Option<crate::model::Linear>,
+    /// `W1` row per target id with `compact_w1` ([`DSparkConfig::w1_index`]).
+    w1_index: Option<Vec<u32>>,
     rope_cos: Tensor,
     rope_sin: Tensor,
     eps: f32,
@@ -530,6 +566,7 @@ impl DSparkDrafter {
             sts_temperatures_greedy: None,
             sts_offsets_greedy: None,
             draft_vocab: None,
+            compact_w1: false,
         }
     }
 
@@ -685,6 +722,7 @@ impl DSparkDrafter {
             .transpose()?;
         let (rope_cos, rope_sin) =
             crate::model::rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
+        let w1_index = cfg.w1_index();
         Ok(Self {
             fc: lin("fc.weight"),
             hidden_norm: p("hidden_norm.weight"),
@@ -698,6 +736,7 @@ impl DSparkDrafter {
             confidence,
             mask_row,
             draft_lm_head,
+            w1_index,
             rope_cos,
             rope_sin,
             device: dev,
@@ -737,6 +776,45 @@ impl DSparkDrafter {
     /// forward's `hidden_layers`).
     pub fn target_layers(&self) -> &[usize] {
         &self.cfg.target_layer_ids
+    }
+
+    /// This drafter with `compact_w1` ([`DSparkConfig::compact_w1`]): `W1`'s rows of the
+    /// draft vocabulary, then one shared row for every other target token, set to the mean
+    /// of their rows. Drafts only change when the anchor is outside the draft vocabulary.
+    pub fn compact_w1(&self, target: &Model) -> Result<Self> {
+        let Some(vocab) = self.cfg.draft_vocab.as_ref() else {
+            bail!("compact W1 needs a drafter with a reduced draft vocabulary (draft_vocab)");
+        };
+        if self.cfg.markov_head_type == HeadKind::Parallel {
+            bail!("compact W1 needs a Markov or RNN head; the parallel head has no W1");
+        }
+        if self.cfg.compact_w1 {
+            bail!("this drafter's W1 is already compact");
+        }
+        let w1 = &self.params[head::W1];
+        let dev = w1.device();
+        let in_vocab: HashSet<u32> = vocab.iter().copied().collect();
+        let others: Vec<u32> = (0..self.cfg.vocab_size as u32)
+            .filter(|t| !in_vocab.contains(t))
+            .collect();
+        let kept = w1.index_select(&Tensor::new(vocab.as_slice(), dev)?, 0)?;
+        let shared = if others.is_empty() {
+            kept.mean_keepdim(0)?
+        } else {
+            w1.index_select(&Tensor::new(others.as_slice(), dev)?, 0)?
+                .mean_keepdim(0)?
+        };
+        let mut tensors: HashMap<String, Tensor> = self
+            .params
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        tensors.insert(head::W1.into(), Tensor::cat(&[&kept, &shared], 0)?);
+        let cfg = DSparkConfig {
+            compact_w1: true,
+            ..self.cfg.clone()
+        };
+        Self::from_tensors(target, cfg, tensors, self.store_dtype)
     }
 
     /// Sets (or clears) the per-position STS temperatures for sampled requests (and greedy
@@ -1098,7 +1176,11 @@ impl DSparkDrafter {
                 .zip(&row0)
                 .map(|(r, &s)| (s + k.min(r.gamma - 1)) as u32)
                 .collect();
-            let step = self.seq_head.step(&prev, &h, &rows, &mut state)?;
+            let w1_rows: Vec<u32> = match &self.w1_index {
+                Some(index) => prev.iter().map(|&t| index[t as usize]).collect(),
+                None => prev.clone(),
+            };
+            let step = self.seq_head.step(&w1_rows, &h, &rows, &mut state)?;
             let conf_e = match (&self.confidence, &step.prev_embedding) {
                 (Some(c), Some(e)) => c.prev_part(e)?,
                 _ => None,

@@ -175,7 +175,8 @@ pub struct StepReport {
 /// The weights of the checkpoint at `dir` under `cfg` (STS temperatures dropped); an error
 /// naming the difference when its architecture is not `cfg`'s. The checkpoint keeps its own
 /// draft vocabulary when it has the size `cfg` asks for (a run on more data would otherwise
-/// pick a slightly different set of ids and could not continue from it).
+/// pick a slightly different set of ids and could not continue from it), and its compact
+/// W1 if it has one.
 fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDrafter> {
     let d = DSparkDrafter::load(dir, target)
         .with_context(|| format!("--init {}: cannot load the drafter", dir.display()))?;
@@ -183,6 +184,8 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     let mut want = cfg.without_sts();
     if c.draft_vocab.is_some() && c.draft_vocab_size() == cfg.draft_vocab_size() {
         want.draft_vocab = c.draft_vocab.clone();
+        // A compact W1 (`convert --compact-w1`) trains on in that form.
+        want.compact_w1 = c.compact_w1;
     }
     if c.without_sts() != want {
         bail!(

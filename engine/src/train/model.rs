@@ -282,6 +282,9 @@ impl TrainDrafter {
         for &a in b.anchors {
             prev.extend_from_slice(&b.tokens[a..a + gamma]);
         }
+        if let Some(index) = cfg.w1_index() {
+            prev.iter_mut().for_each(|t| *t = index[*t as usize]);
+        }
         let (logits, e) = match cfg.markov_head_type {
             HeadKind::Parallel => (base, None),
             HeadKind::Markov => {

@@ -130,16 +130,22 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
 fn training_forward_matches_serving_propose() {
     let target = tiny_target();
     let vocab: Vec<u32> = (0..VOCAB as u32).rev().step_by(2).collect();
-    for (head, dv, context_input) in [
-        (HeadKind::Markov, None, false),
-        (HeadKind::Markov, Some(vocab.clone()), false),
-        (HeadKind::Rnn, Some(vocab.clone()), false),
-        (HeadKind::Parallel, None, false),
-        (HeadKind::Markov, Some(vocab.clone()), true),
+    for (head, dv, context_input, compact) in [
+        (HeadKind::Markov, None, false, false),
+        (HeadKind::Markov, Some(vocab.clone()), false, false),
+        (HeadKind::Rnn, Some(vocab.clone()), false, false),
+        (HeadKind::Parallel, None, false, false),
+        (HeadKind::Markov, Some(vocab.clone()), true, false),
+        // compact W1: half the ids (maybe the anchor) share W1's last row
+        (HeadKind::Markov, Some(vocab.clone()), true, true),
+        (HeadKind::Rnn, Some(vocab.clone()), false, true),
     ] {
         let mut cfg = small_config(&target, head, dv.clone());
         cfg.context_input = context_input;
-        let d = DSparkDrafter::random(&target, cfg, 7).unwrap();
+        let mut d = DSparkDrafter::random(&target, cfg, 7).unwrap();
+        if compact {
+            d = d.compact_w1(&target).unwrap();
+        }
         let layers = d.target_layers().to_vec();
         let mut rng = ChaCha8Rng::seed_from_u64(1);
         let seq: Vec<u32> = (0..20).map(|_| rng.random_range(0..VOCAB as u32)).collect();

@@ -14,7 +14,7 @@ pub const RNN_B: &str = "rnn_head.proj.bias";
 pub const CONF_W: &str = "confidence_head.proj.weight";
 pub const CONF_B: &str = "confidence_head.proj.bias";
 
-/// `W1: [V, r]` embeds the previous token, `W2: [V_draft, r]` maps rank r to draft logits.
+/// `W1: [V, r]` (or `[V_draft + 1, r]`, `compact_w1`) embeds the previous token, `W2: [V_draft, r]` maps rank r to draft logits.
 pub(super) enum SeqHead {
     Parallel,
     Markov {
@@ -65,7 +65,8 @@ impl SeqHead {
         Ok(())
     }
 
-    /// Step k: `prev[i]` is request i's `x_{k-1}` (a target id), `rows[i]` its row of `h`
+    /// Step k: `prev[i]` is the `W1` row of request i's `x_{k-1}` (its target id, or its
+    /// [`super::DSparkConfig::w1_index`] row), `rows[i]` its row of `h`
     /// (`[rows, hidden]`, the normed backbone outputs). `state` carries the RNN state `s`
     /// between steps (start with None: `s_0 = 0`).
     pub fn step(

@@ -475,6 +475,79 @@ fn contexts_fed_together_equal_each_fed_alone() {
 }
 
 #[test]
+fn compact_w1_keeps_draft_vocab_rows_and_shares_one_for_the_rest() {
+    let target = tiny_target();
+    let vocab: Vec<u32> = (0..VOCAB as u32).step_by(3).collect();
+    for head in [HeadKind::Markov, HeadKind::Rnn] {
+        let d = drafter(&target, head, |c| c.draft_vocab = Some(vocab.clone()));
+        let c = d.compact_w1(&target).unwrap();
+        assert!(c.config().compact_w1);
+        assert_eq!(c.config().w1_rows(), vocab.len() + 1);
+        assert_eq!(c.params[head::W1].dims()[0], vocab.len() + 1);
+        // The reference: the full W1 with every out-of-vocabulary row set to their mean.
+        let w1: Vec<Vec<f32>> = d.params[head::W1].to_vec2().unwrap();
+        let others: Vec<usize> = (0..VOCAB).filter(|t| !t.is_multiple_of(3)).collect();
+        let r = w1[0].len();
+        let mean: Vec<f32> = (0..r)
+            .map(|j| others.iter().map(|&t| w1[t][j]).sum::<f32>() / others.len() as f32)
+            .collect();
+        let mut rows = w1.clone();
+        for &t in &others {
+            rows[t] = mean.clone();
+        }
+        let mut tensors: HashMap<String, Tensor> = d
+            .params
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let flat: Vec<f32> = rows.concat();
+        tensors.insert(
+            head::W1.into(),
+            Tensor::from_vec(flat, (VOCAB, r), &Device::Cpu).unwrap(),
+        );
+        let reference =
+            DSparkDrafter::from_tensors(&target, d.config().clone(), tensors, DType::F32).unwrap();
+        // Anchors in and out of the draft vocabulary (the prompt's last token).
+        let mut seen = [false, false];
+        for id in 0..12u64 {
+            let mut kvs = [cache(&c), cache(&reference), cache(&d)];
+            let [kc, kr, kd] = &mut kvs;
+            let sc = prime(&target, &c, kc, id, 9, GAMMA, 64);
+            let sr = prime(&target, &reference, kr, id, 9, GAMMA, 64);
+            let sd = prime(&target, &d, kd, id, 9, GAMMA, 64);
+            let in_vocab = sc.anchor.is_multiple_of(3);
+            seen[in_vocab as usize] = true;
+            let a = draft(&c, &target, kc, &[&sc], &sampled(), 4);
+            let b = draft(&reference, &target, kr, &[&sr], &sampled(), 4);
+            assert_blocks_close(&a[0], &b[0], 1e-5);
+            if in_vocab {
+                let o = draft(&d, &target, kd, &[&sd], &sampled(), 4);
+                assert_blocks_close(&a[0], &o[0], 1e-5);
+            }
+        }
+        assert_eq!(seen, [true, true], "both kinds of anchor were drafted from");
+        // Round trip, and what cannot be compacted.
+        let dir = scratch_dir("compact-w1");
+        c.save(&dir).unwrap();
+        let back = DSparkDrafter::load(&dir, &target).unwrap();
+        assert!(back.config().compact_w1);
+        assert!(c.compact_w1(&target).is_err());
+    }
+    let full = drafter(&target, HeadKind::Markov, |_| {});
+    assert!(full.compact_w1(&target).is_err(), "no draft vocabulary");
+    let parallel = drafter(&target, HeadKind::Parallel, |c| {
+        c.draft_vocab = Some(vocab.clone())
+    });
+    assert!(parallel.compact_w1(&target).is_err());
+    let mut cfg = full.config().clone();
+    cfg.compact_w1 = true;
+    assert!(
+        cfg.validate(&target.cfg).is_err(),
+        "compact_w1 without draft_vocab"
+    );
+}
+
+#[test]
 fn markov_head_conditions_on_the_previous_token_parallel_does_not() {
     let target = tiny_target();
     for head in [HeadKind::Parallel, HeadKind::Markov] {
