@@ -17,6 +17,7 @@ chat.jsonl).
 
 Usage: start a server on the target (dspark-engine serve --model SmolLM2... --port 8123),
 then python3 data/prompts/make_magpie.py [--base-url http://127.0.0.1:8123/v1] [--per-domain 800]
+[--seed-base N --exclude data/prompts/train-magpie.jsonl --out F] (a second, disjoint set).
 Writes data/prompts/train-magpie.jsonl (committed; deterministic for a given server build
 since every request carries its own seed).
 """
@@ -68,6 +69,10 @@ def main():
     ap.add_argument("--per-domain", type=int, default=800)
     ap.add_argument("--oversample", type=float, default=1.6)
     ap.add_argument("--out", default=os.path.join(here, "train-magpie.jsonl"))
+    ap.add_argument("--seed-base", type=int, default=0,
+                    help="added to every request seed: a new value samples a new prompt set")
+    ap.add_argument("--exclude", action="append", default=[],
+                    help="a prompt file (jsonl) whose prompts are not repeated (repeatable)")
     a = ap.parse_args()
     client = openai.OpenAI(base_url=a.base_url, api_key="unused")
     avoid = []
@@ -84,9 +89,13 @@ def main():
         return domain, seed, r.choices[0].text.strip(), r.choices[0].finish_reason
 
     rows, seen = [], set()
+    for path in a.exclude:
+        for line in open(path):
+            if line.strip():
+                seen.add(" ".join(json.loads(line)["prompt"].lower().split()))
     for di, domain in enumerate(DOMAINS):
         n = int(a.per_domain * a.oversample)
-        jobs = [(domain, 1000 * di + i) for i in range(n)]
+        jobs = [(domain, a.seed_base + 1000 * di + i) for i in range(n)]
         kept = 0
         with cf.ThreadPoolExecutor(32) as ex:
             for d, seed, text, finish in ex.map(sample, jobs):
