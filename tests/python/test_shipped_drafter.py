@@ -1,0 +1,112 @@
+"""The shipped drafter is what its manifest says it is (issue #5).
+
+`make demo` serves drafters/smollm2-135m-dspark-markov; its manifest.json is the recipe that
+reproduces it. These checks catch a drafter replaced without its manifest (or the other way
+round), a checkpoint that stores the target's shared embedding / LM head, a dtype or size
+that breaks the "small, bf16, ~25 MB" promise, a prompt file the recipe names but the repo
+lacks, and STS temperatures that differ between config.json and the manifest.
+"""
+import hashlib
+import json
+import re
+import struct
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAFTER = ROOT / "drafters" / "smollm2-135m-dspark-markov"
+
+
+def manifest():
+    return json.loads((DRAFTER / "manifest.json").read_text())
+
+
+def config():
+    return json.loads((DRAFTER / "config.json").read_text())
+
+
+def tensors():
+    raw = (DRAFTER / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return header
+
+
+def test_weights_are_the_ones_the_manifest_names():
+    m = manifest()["files"]["model.safetensors"]
+    digest = hashlib.sha256((DRAFTER / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == m["sha256"], "model.safetensors changed without its manifest"
+
+
+def test_small_bf16_and_without_the_shared_target_weights():
+    size = (DRAFTER / "model.safetensors").stat().st_size
+    assert size <= 25 * 1000 * 1000, f"{size} bytes: over the ~25 MB budget"
+    t = tensors()
+    assert {v["dtype"] for v in t.values()} == {"BF16"}
+    shared = [k for k in t if re.search(r"embed_tokens|lm_head", k)]
+    assert not shared, f"stores the target's shared weights: {shared}"
+
+
+def test_architecture_matches_config_and_tensors():
+    arch, c, t = manifest()["architecture"], config(), tensors()
+    assert c["num_hidden_layers"] == arch["layers"]
+    assert c["block_size"] == arch["block_size"]
+    assert c["target_layer_ids"] == arch["target_layers"]
+    assert c["markov_rank"] == arch["markov_rank"]
+    assert c["markov_head_type"] == manifest()["drafter"].removeprefix("dspark-")
+    assert bool(c.get("compact_w1")) == arch["compact_w1"]
+    assert bool(c.get("context_input")) == arch["context_input"]
+    h, r = c["hidden_size"], c["markov_rank"]
+    assert t["fc.weight"]["shape"] == [h, h * len(c["target_layer_ids"])]
+    assert t["markov_head.markov_w2.weight"]["shape"] == [arch["draft_vocab"], r]
+    w1_rows = arch["draft_vocab"] + 1 if arch["compact_w1"] else c["vocab_size"]
+    assert t["markov_head.markov_w1.weight"]["shape"] == [w1_rows, r]
+    layers = {int(k.split(".")[1]) for k in t if k.startswith("layers.")}
+    assert layers == set(range(arch["layers"]))
+
+
+def test_sts_in_config_is_the_calibration_the_manifest_records():
+    c, sts = config(), manifest()["sts"]
+    for key, mode in [("sts_temperatures", "sampled"), ("sts_temperatures_greedy", "greedy")]:
+        assert len(c[key]) == c["block_size"]
+        for a, b in zip(c[key], sts[mode]["temperatures"]):
+            assert abs(a - b) < 1e-5, (key, c[key], sts[mode]["temperatures"])
+        assert sts[mode]["ece_all_after"] <= 0.02, f"{mode}: ECE after STS over 2 %"
+        assert sts[mode]["ece_all_after"] <= sts[mode]["ece_all_before"]
+
+
+def test_recipe_names_prompt_files_the_repo_has_with_the_stated_counts():
+    m = manifest()
+    named = 0
+    for ds in m["data"]["datasets"]:
+        hit = re.match(r"(data/prompts/\S+) \(([\d,]+)", ds["prompts"])
+        assert hit, ds["prompts"]
+        path, count = ROOT / hit.group(1), int(hit.group(2).replace(",", ""))
+        lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+        assert len(lines) == count, f"{path}: {len(lines)} prompts, manifest says {count}"
+        assert all(r.get("prompt") for r in lines)
+        named += 1
+    commands = " ".join(m["commands"])
+    for ds in m["data"]["datasets"]:
+        assert ds["prompts"].split()[0] in commands
+    assert named >= 2
+    stages = [k for k in m["budget"] if re.fullmatch(r"stage\d+", k)]
+    total = sum(m["budget"][s]["block_tokens"] for s in stages)
+    assert total == m["budget"]["block_tokens"]
+    assert len([c for c in m["commands"] if " train " in c and "--out" in c]) == len(stages)
+
+
+def test_eval_prompts_stay_out_of_the_training_prompts():
+    def norm(s):
+        return " ".join(s.lower().split())
+
+    train = set()
+    for name in ["train.jsonl", "train-magpie.jsonl", "train-magpie2.jsonl"]:
+        for s in (ROOT / "data" / "prompts" / name).read_text().splitlines():
+            if s.strip():
+                train.add(norm(json.loads(s)["prompt"]))
+    for name in ["code.jsonl", "math.jsonl", "chat.jsonl"]:
+        for s in (ROOT / "data" / "prompts" / name).read_text().splitlines():
+            if s.strip():
+                p = norm(json.loads(s)["prompt"])
+                assert p not in train, f"eval prompt in the training set: {p[:80]}"
