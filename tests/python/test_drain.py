@@ -47,12 +47,17 @@ def completion(n):
             "temperature": 0, "ignore_eos": True}
 
 
+LONG = 512
+
+
 def test_sigterm_lets_inflight_requests_finish_then_exits_zero():
     proc, url, log = start_engine(["--drain-timeout-secs", "60"], "dspark-drain-engine.log")
     try:
         result = {}
+        # Long enough (~2-4 s here) that it is still running while the checks below run:
+        # a short one could finish, and the engine exit, before /ready is asked.
         t = threading.Thread(target=lambda: result.update(
-            r=post(url + "/v1/completions", completion(64))))
+            r=post(url + "/v1/completions", completion(LONG))))
         t.start()
         # Wait until the request is running, then ask the engine to stop.
         wait_running(url)
@@ -66,7 +71,7 @@ def test_sigterm_lets_inflight_requests_finish_then_exits_zero():
         code, body = result["r"]
         assert code == 200, body
         done = json.loads(body)
-        assert done["usage"]["completion_tokens"] == 64
+        assert done["usage"]["completion_tokens"] == LONG
         assert done["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=30) == 0
     finally:
