@@ -288,6 +288,7 @@ pub fn collect(
         let feats = s
             .feats
             .narrow(0, 0, *a.last().expect("non-empty"))?
+            .to_device(&target.device)?
             .to_dtype(DType::F32)?;
         let o = td.forward(
             target,
@@ -302,7 +303,7 @@ pub fn collect(
             .argmax(D::Minus1)?
             .to_dtype(DType::U32)?
             .to_vec1()?;
-        let t = targets(s, &a, gamma, ds.meta.topk, &vm)?;
+        let t = targets(s, &a, gamma, ds.meta.topk, &vm, &target.device)?;
         let c_star: Vec<f32> = acceptance_rate(&o.logits, &t.p)?.to_vec1()?;
         let z: Vec<f32> = o.conf_logit.expect("checked").to_vec1()?;
         for (bi, &anc) in a.iter().enumerate() {

@@ -104,6 +104,9 @@ pub struct TrainArgs {
     pub context_input: bool,
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// The dataset folders of `--dataset` (default: the model's cache folder).
@@ -204,7 +207,7 @@ fn dataset(
 
 pub fn run_train(a: TrainArgs) -> Result<()> {
     runtime::init_threads(a.threads);
-    let device = candle_core::Device::Cpu;
+    let device = runtime::device(&a.device)?;
     let (model, tok) = runtime::load(&a.model, &device, true)?;
     let dirs = dataset_dirs(&a.dataset, &model);
     let ds = dataset(&model, &tok, &dirs, &a)?;
@@ -289,6 +292,9 @@ pub struct CalibrateArgs {
     pub json: Option<PathBuf>,
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 /// `dspark-engine convert`: rewrites a drafter checkpoint in another form.
@@ -344,7 +350,7 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
 
 pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
     runtime::init_threads(a.threads);
-    let device = candle_core::Device::Cpu;
+    let device = runtime::device(&a.device)?;
     let (model, _) = runtime::load(&a.model, &device, true)?;
     let ds = Dataset::load_all(&dataset_dirs(&a.dataset, &model))?;
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
@@ -448,6 +454,9 @@ pub struct EvalArgs {
     pub plots: Option<PathBuf>,
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 fn split_kv(s: &str) -> Result<(String, PathBuf)> {
@@ -459,7 +468,7 @@ fn split_kv(s: &str) -> Result<(String, PathBuf)> {
 
 pub fn run_eval(a: EvalArgs) -> Result<()> {
     runtime::init_threads(a.threads);
-    let device = candle_core::Device::Cpu;
+    let device = runtime::device(&a.device)?;
     let (model, tok) = runtime::load(&a.model, &device, true)?;
     let mut drafters: Vec<(String, EvalDrafter)> = Vec::new();
     if a.plain {

@@ -102,13 +102,14 @@ impl VocabMap {
     }
 }
 
-/// Loss targets of the blocks at `anchors` of `s`.
+/// Loss targets of the blocks at `anchors` of `s`, on `dev` (the drafter's device).
 pub fn targets(
     s: &Sequence,
     anchors: &[usize],
     gamma: usize,
     k: usize,
     vm: &VocabMap,
+    dev: &candle_core::Device,
 ) -> Result<Targets> {
     let rows = anchors.len() * gamma;
     let mut y = Vec::with_capacity(rows);
@@ -131,7 +132,7 @@ pub fn targets(
     }
     Ok(Targets {
         y,
-        p: Tensor::from_vec(p, (rows, vm.size), &candle_core::Device::Cpu)?,
+        p: Tensor::from_vec(p, (rows, vm.size), dev)?,
         p_out,
     })
 }
@@ -294,7 +295,12 @@ pub fn train(
             let s = &ds.seqs[usable[rng.random_range(0..usable.len())]];
             let anchors = pick_anchors(s, gamma, tc.anchors_per_seq, &mut rng);
             let tmax = *anchors.last().expect("usable sequences have anchors");
-            let feats = s.feats.narrow(0, 0, tmax)?.to_dtype(DType::F32)?;
+            // Datasets live in host memory; the drafter may not.
+            let feats = s
+                .feats
+                .narrow(0, 0, tmax)?
+                .to_device(&target.device)?
+                .to_dtype(DType::F32)?;
             let out = td.forward(
                 target,
                 &Blocks {
@@ -303,7 +309,7 @@ pub fn train(
                     anchors: &anchors,
                 },
             )?;
-            let t = targets(s, &anchors, gamma, k, &vm)?;
+            let t = targets(s, &anchors, gamma, k, &vm, &target.device)?;
             let parts = dspark_loss(&out, &t, gamma, &tc.loss)?;
             let l = (parts.total.clone() / tc.seqs_per_step as f64)?;
             total = Some(match total {

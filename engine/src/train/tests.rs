@@ -233,7 +233,7 @@ fn gradients_match_finite_differences() {
         .unwrap()
         .to_dtype(DType::F32)
         .unwrap();
-    let t = targets(s, &anchors, GAMMA, TOPK, &vm).unwrap();
+    let t = targets(s, &anchors, GAMMA, TOPK, &vm, &Device::Cpu).unwrap();
     let lcfg = LossConfig::default();
     let loss = |td: &TrainDrafter| -> Tensor {
         let out = td
@@ -324,7 +324,7 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
                     },
                 )
                 .unwrap();
-            let t = targets(s, &anchors, GAMMA, TOPK, &vm).unwrap();
+            let t = targets(s, &anchors, GAMMA, TOPK, &vm, &Device::Cpu).unwrap();
             tot += dspark_loss(&out, &t, GAMMA, &LossConfig::default())
                 .unwrap()
                 .total
