@@ -24,6 +24,11 @@ def config():
     return json.loads((DRAFTER / "config.json").read_text())
 
 
+def prompts(path):
+    """The prompts of a jsonl prompt file, in order."""
+    return [json.loads(s)["prompt"] for s in Path(path).read_text().splitlines() if s.strip()]
+
+
 def tensors():
     raw = (DRAFTER / "model.safetensors").read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
@@ -82,9 +87,9 @@ def test_recipe_names_prompt_files_the_repo_has_with_the_stated_counts():
         hit = re.match(r"(data/prompts/\S+) \(([\d,]+)", ds["prompts"])
         assert hit, ds["prompts"]
         path, count = ROOT / hit.group(1), int(hit.group(2).replace(",", ""))
-        lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+        lines = prompts(path)
         assert len(lines) == count, f"{path}: {len(lines)} prompts, manifest says {count}"
-        assert all(r.get("prompt") for r in lines)
+        assert all(lines)
         named += 1
     commands = " ".join(m["commands"])
     for ds in m["data"]["datasets"]:
@@ -100,13 +105,9 @@ def test_eval_prompts_stay_out_of_the_training_prompts():
     def norm(s):
         return " ".join(s.lower().split())
 
-    train = set()
-    for name in ["train.jsonl", "train-magpie.jsonl", "train-magpie2.jsonl"]:
-        for s in (ROOT / "data" / "prompts" / name).read_text().splitlines():
-            if s.strip():
-                train.add(norm(json.loads(s)["prompt"]))
+    here = ROOT / "data" / "prompts"
+    train = {norm(p) for name in ["train.jsonl", "train-magpie.jsonl", "train-magpie2.jsonl"]
+             for p in prompts(here / name)}
     for name in ["code.jsonl", "math.jsonl", "chat.jsonl"]:
-        for s in (ROOT / "data" / "prompts" / name).read_text().splitlines():
-            if s.strip():
-                p = norm(json.loads(s)["prompt"])
-                assert p not in train, f"eval prompt in the training set: {p[:80]}"
+        for p in prompts(here / name):
+            assert norm(p) not in train, f"eval prompt in the training set: {p[:80]}"
