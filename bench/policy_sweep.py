@@ -10,9 +10,20 @@ bench/loadgen.py (closed loop) at each concurrency level, stops the engine, and 
 prints one markdown table and writes a PNG (per-user tok/s vs total tok/s, one curve per
 policy) and a JSON with every summary.
 
+Rounds: `--rounds N` repeats the whole sweep, alternating the policy order from level to
+level and from round to round, so drifting background load hits every policy alike; the
+tables report the median over rounds and the range (min-max). Each level runs a warm-up
+request per stream first (loadgen) and should complete at least 4 requests per stream;
+levels that did not are flagged. With `--drafter`, the cost table is profiled with the
+drafter (its time per draft call, `draft_points`), in the same sitting, unless
+`--cost-table` is given. `--natural` lets answers end at EOS as users' do (default: every
+request runs to --max-tokens with ignore_eos, a fixed length).
+
 Example (what docs/benchmarks.md records):
   python3 bench/policy_sweep.py --model ~/.cache/dspark/models/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --speculation ngram --concurrency 1,4,16,64 --duration 20 --out /tmp/sweep
+      --speculation dspark-markov --drafter drafters/smollm2-135m-dspark-markov \
+      --policies none,fixed:3,dspark --gamma-max 7 --concurrency 1,4,16,64,128 \
+      --duration 40 --rounds 2 --out /tmp/sweep
 """
 from __future__ import annotations
 
@@ -63,29 +74,32 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise SystemExit("policy_sweep: engine not ready in time")
 
 
-def run_level(args, table: str, spec: str, level: str, out: Path) -> list[dict]:
+def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> list[dict]:
     """Starts an engine with policy `spec`, runs one closed-loop level, stops it."""
     label, pargs = policy_args(spec, args.gamma_max, args.speculation)
     url = f"http://127.0.0.1:{args.port}"
     cmd = [args.bin, "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
            str(args.port), "--served-model-name", "bench", "--cost-table", table,
-           "--max-running", "64", *pargs]
+           "--max-running", str(max(64, int(level))), *pargs]
     if args.drafter and spec != "none":
         cmd += ["--drafter", args.drafter]
-    tag = f"{spec.replace(':', '-')}-c{level}"
+    tag = f"{spec.replace(':', '-')}-c{level}-r{rnd}"
     log = open(out / f"serve-{tag}.log", "w")
     print(f"# {label} @ {level} streams: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc)
         jpath = out / f"loadgen-{tag}.json"
-        subprocess.run([sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
-                        "--model", "bench", "--concurrency", level,
-                        "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
-                        "--temperature", str(args.temperature), "--ignore-eos",
-                        "--prompts", args.prompts, "--json-out", str(jpath)], check=True)
+        lg = [sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
+              "--model", "bench", "--concurrency", level,
+              "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+              "--temperature", str(args.temperature), "--warmup", level,
+              "--seed", str(args.seed + rnd), "--prompts", args.prompts, "--json-out", str(jpath)]
+        if not args.natural:
+            lg.append("--ignore-eos")
+        subprocess.run(lg, check=True)
         data = json.loads(jpath.read_text())
-        return [{"policy": label, "spec": spec, **s} for s in data["summaries"]]
+        return [{"policy": label, "spec": spec, "round": rnd, **s} for s in data["summaries"]]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -116,6 +130,10 @@ def main() -> int:
     ap.add_argument("--cost-table", help="use this table instead of profiling first")
     ap.add_argument("--profile-max-batch", type=int, default=128)
     ap.add_argument("--port", type=int, default=18200)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--natural", action="store_true",
+                    help="answers end at EOS (default: ignore_eos, every request --max-tokens)")
+    ap.add_argument("--seed", type=int, default=0, help="loadgen seed of round 0 (+1 per round)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -125,54 +143,112 @@ def main() -> int:
     if not table:
         table = str(out / "cost-table.json")
         print(f"# profiling SPS(B) up to B={args.profile_max_batch} -> {table}", flush=True)
-        subprocess.run([args.bin, "profile", "--model", args.model, "--max-batch",
-                        str(args.profile_max_batch), "--output", table], check=True)
+        prof = [args.bin, "profile", "--model", args.model, "--max-batch",
+                str(args.profile_max_batch), "--output", table]
+        if args.drafter:
+            prof += ["--drafter", args.drafter, "--speculation", args.speculation]
+        subprocess.run(prof, check=True)
     ct = json.loads(Path(table).read_text())
     print("# cost table: " + ", ".join(f"SPS({b})={s:.1f}" for b, s in ct["points"]))
 
     results = []
     specs = [p.strip() for p in args.policies.split(",")]
     levels = [c.strip() for c in args.concurrency.split(",")]
-    # Level-major: every policy runs each load level back to back (alternating order from
-    # level to level), so drifting background load hits all policies alike.
-    for li, level in enumerate(levels):
-        for spec in (specs if li % 2 == 0 else specs[::-1]):
-            results.extend(run_level(args, table, spec, level, out))
-    results.sort(key=lambda r: (specs.index(r["spec"]), float(r["value"])))
-    (out / "sweep.json").write_text(json.dumps({"cost_table": ct, "results": results}, indent=1))
-    print()
-    print("| policy | streams | tok/s | per-user tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | accept % |")
-    print("|---|---:|---:|---:|---|---|---:|")
+    # Level-major: every policy runs each load level back to back, the order alternating
+    # from level to level and from round to round.
+    k = 0
+    for rnd in range(args.rounds):
+        for level in levels:
+            for spec in (specs if k % 2 == 0 else specs[::-1]):
+                results.extend(run_level(args, table, spec, level, out, rnd))
+            k += 1
+    results.sort(key=lambda r: (specs.index(r["spec"]), float(r["value"]), r["round"]))
+    (out / "sweep.json").write_text(json.dumps({"cost_table": ct, "args": vars(args),
+                                                "results": results}, indent=1))
+
+    def med(xs):
+        xs = sorted(xs)
+        n = len(xs)
+        return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+    def cell(rs, key):
+        return [r[key] or 0 for r in rs]
+
+    levels_f = sorted({r["value"] for r in results}, key=float)
+    by = {(r["spec"], r["value"]): [] for r in results}
     for r in results:
-        acc = "-" if r.get("acceptance") is None else f"{100 * r['acceptance']:.1f}"
-        pu = r["per_user_tok_s_p50"] or 0
-        print(f"| {r['policy']} | {r['value']} | {r['throughput_tok_s']:.1f} | {pu:.1f} "
-              f"| {r['ttft_ms']['p50'] or 0:.0f} / {r['ttft_ms']['p95'] or 0:.0f} "
-              f"| {r['itl_ms']['p50'] or 0:.1f} / {r['itl_ms']['p95'] or 0:.1f} | {acc} |")
-    # The scheduler's claim, per load level.
-    levels = sorted({r["value"] for r in results}, key=float)
-    if any(r["spec"] == "dspark" for r in results):
-        print()
-        print("| streams | dspark tok/s | best other | ratio | vs fixed γ=16 |")
-        print("|---:|---:|---|---:|---:|")
-        for lv in levels:
-            at = [r for r in results if r["value"] == lv]
-            d = next((r for r in at if r["spec"] == "dspark"), None)
-            others = [r for r in at if r["spec"] != "dspark"]
-            if not d or not others:
+        by[(r["spec"], r["value"])].append(r)
+    print()
+    mode = "natural lengths" if args.natural else f"{args.max_tokens} tokens, ignore_eos"
+    print(f"Medians over {args.rounds} round(s) [min-max], {mode}, temperature {args.temperature}:")
+    print()
+    print("| policy | streams | tok/s | per-user tok/s | TTFT p50 ms | ITL p50 ms | accept % | requests |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    short = []
+    for spec in specs:
+        for lv in levels_f:
+            rs = by.get((spec, lv))
+            if not rs:
                 continue
-            best = max(others, key=lambda r: r["throughput_tok_s"])
-            f16 = next((r for r in at if r["spec"] == "fixed:16"), None)
-            vs16 = f"{d['throughput_tok_s'] / f16['throughput_tok_s']:.2f}x" if f16 else "-"
-            print(f"| {lv} | {d['throughput_tok_s']:.1f} | {best['policy']} {best['throughput_tok_s']:.1f} "
-                  f"| {d['throughput_tok_s'] / best['throughput_tok_s']:.2f} | {vs16} |")
+            tp = cell(rs, "throughput_tok_s")
+            acc = [r["acceptance"] for r in rs if r.get("acceptance") is not None]
+            acc_s = "-" if not acc else f"{100 * med(acc):.1f}"
+            reqs = min(r["ok"] for r in rs)
+            if reqs < 4 * int(lv):
+                short.append(f"{rs[0]['policy']} @ {lv}")
+            print(f"| {rs[0]['policy']} | {lv} | {med(tp):.1f} [{min(tp):.0f}-{max(tp):.0f}] "
+                  f"| {med(cell(rs, 'per_user_tok_s_p50')):.1f} "
+                  f"| {med([r['ttft_ms']['p50'] or 0 for r in rs]):.0f} "
+                  f"| {med([r['itl_ms']['p50'] or 0 for r in rs]):.1f} | {acc_s} | {reqs} |")
+    if short:
+        print(f"\n# fewer than 4 completed requests per stream (raise --duration): {', '.join(short)}")
+    # Ratios per round (same round, same level), then their median and range.
+    if "none" in specs:
+        print()
+        others = [s for s in specs if s != "none"]
+        names = [policy_args(s2, args.gamma_max, args.speculation)[0] for s2 in others]
+        print("| streams | none tok/s | " + " | ".join(f"{n} / none" for n in names)
+              + " | dspark / best other |")
+        print("|---:|---:|" + "---:|" * len(others) + "---:|")
+        for lv in levels_f:
+            base = by.get(("none", lv))
+            if not base:
+                continue
+            row = [f"{med(cell(base, 'throughput_tok_s')):.1f}"]
+            for s2 in others:
+                rs = by.get((s2, lv), [])
+                ratios = [r["throughput_tok_s"] / b["throughput_tok_s"]
+                          for r in rs for b in base if b["round"] == r["round"] and b["throughput_tok_s"]]
+                row.append(f"{med(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-")
+            best = "-"
+            if "dspark" in specs:
+                rat = []
+                for rnd in range(args.rounds):
+                    at = {s2: next((r for r in by.get((s2, lv), []) if r["round"] == rnd), None) for s2 in specs}
+                    d = at.get("dspark")
+                    oth = [r for s2, r in at.items() if s2 != "dspark" and r]
+                    if d and oth:
+                        rat.append(d["throughput_tok_s"] / max(r["throughput_tok_s"] for r in oth))
+                if rat:
+                    best = f"{med(rat):.2f} [{min(rat):.2f}-{max(rat):.2f}]"
+            row.append(best)
+            print(f"| {lv} | " + " | ".join(row) + " |")
+    results_by_policy = {}
+    for r in results:
+        results_by_policy.setdefault(r["policy"], []).append(r)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for label in dict.fromkeys(r["policy"] for r in results):
-            rs = [r for r in results if r["policy"] == label]
+        for label, rs_all in results_by_policy.items():
+            rs = []
+            for lv in levels_f:
+                at = [r for r in rs_all if r["value"] == lv]
+                if at:
+                    rs.append({"value": lv,
+                               "per_user_tok_s_p50": med([r["per_user_tok_s_p50"] or 0 for r in at]),
+                               "throughput_tok_s": med([r["throughput_tok_s"] for r in at])})
             xs = [r["per_user_tok_s_p50"] or 0 for r in rs]
             ys = [r["throughput_tok_s"] for r in rs]
             ax.plot(xs, ys, "o-", label=label, linewidth=2.5 if label == "dspark" else 1.2)

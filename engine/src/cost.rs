@@ -60,6 +60,7 @@ pub fn default_table(model_id: &str, device: &str) -> CostTable {
         dtype: "builtin-default".into(),
         measured_at: "1970-01-01T00:00:00Z".into(),
         points,
+        draft_points: Vec::new(),
     }
 }
 

@@ -8,20 +8,18 @@
 
 use crate::cost::CostTables;
 use crate::kv::KvCache;
-use crate::metrics::{FinishLabel, Metrics, ModePositionLabel, PositionLabel};
+use crate::metrics::{FinishLabel, Metrics};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
-use crate::spec::dspark::{ContextFeed, DSparkDrafter, DraftRequest};
-use crate::spec::recalibrate::OnlineCalibration;
-use crate::spec::{
-    is_greedy, ngram, verify::verify, AcceptanceStats, Proposal, Speculation, VerifyPolicy,
-};
+pub use crate::speculative::speculator::Drafter;
+use crate::speculative::speculator::{Candidate, Speculator, StepShape, Verified};
+use crate::speculative::{verify::verify, Proposal, Speculation, VerifyPolicy};
 use crate::tokenizer::{StreamDecoder, TextTokenizer};
 use anyhow::Result;
 use dspark_telemetry::TRACE_TARGET;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
@@ -42,7 +40,7 @@ pub struct EngineConfig {
     /// How many draft tokens each request verifies.
     pub policy: VerifyPolicy,
     /// Step of the online recalibration of a model drafter's confidences (0: off): see
-    /// [`crate::spec::recalibrate`].
+    /// [`crate::speculative::recalibrate`].
     pub online_calibration: f32,
 }
 
@@ -55,7 +53,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             speculation: Speculation::None,
             policy: VerifyPolicy::Fixed { gamma: 4 },
-            online_calibration: crate::spec::recalibrate::DEFAULT_STEP,
+            online_calibration: crate::speculative::recalibrate::DEFAULT_STEP,
         }
     }
 }
@@ -172,20 +170,8 @@ struct Seq {
     queued_metric_done: bool,
     draft_tokens: usize,
     accepted_tokens: usize,
-    /// Block table of this sequence in the drafter's context cache.
-    draft_blocks: Vec<u32>,
-    /// The drafter's context feature of the last position fed (context-input drafters).
-    draft_ctx: Option<candle_core::Tensor>,
-    /// Committed positions whose features are in the drafter's context cache
-    /// (`draft_fed + draft_pending.rows == cached`).
-    draft_fed: usize,
-    draft_pending: PendingFeatures,
-    /// A deterministic draft that was not verified (the policy chose length 0), kept to be
-    /// checked against the tokens the target commits next: `(position of its first token,
-    /// tokens)`. For a point-mass draft the chance that the target's own token matches is
-    /// exactly the chance verification would have accepted it, so this keeps the live
-    /// acceptance rates honest while the scheduler is not verifying.
-    shadow: Option<(usize, Vec<u32>)>,
+    /// Stable id while the sequence is in the engine (the speculator's key).
+    id: u64,
     /// The current phase's child span of the request span: queue, prefill, then decode.
     phase: tracing::Span,
 }
@@ -212,27 +198,11 @@ pub struct Engine {
     running: Vec<Seq>,
     waiting_count: Arc<AtomicUsize>,
     running_count: Arc<AtomicUsize>,
-    drafter: Option<Drafter>,
+    /// Drafter, drafting plan, acceptance statistics and recalibration.
+    spec: Speculator,
     /// The SPS(B) table the scheduler reads (one snapshot per step).
     costs: Arc<CostTables>,
-    /// Live per-position acceptance, the confidences of drafters without a confidence head.
-    acceptance: AcceptanceStats,
-    /// Online scales and offsets on the model drafter's calibrated confidences (when on).
-    recal: Option<OnlineCalibration>,
-    /// Seconds per model-drafter call (moving average), for the drafting gate.
-    draft_secs: f64,
-    /// Steps in a row the gate skipped the drafter; every `DRAFT_PROBE`-th runs it anyway
-    /// so the acceptance estimates keep up.
-    draft_skips_in_row: usize,
-}
-
-/// See `draft_skips_in_row`.
-const DRAFT_PROBE: usize = 16;
-
-/// A model drafter with its own context KV cache (fed with the target's hidden states).
-pub struct Drafter {
-    pub model: DSparkDrafter,
-    pub kv: KvCache,
+    next_id: u64,
 }
 
 impl Engine {
@@ -258,19 +228,22 @@ impl Engine {
                 model,
                 tok,
                 kv,
-                cfg,
-                metrics,
                 rx,
                 waiting: VecDeque::new(),
                 running: Vec::new(),
                 waiting_count: waiting,
                 running_count: running,
-                drafter: None,
+                spec: Speculator::new(
+                    cfg.speculation,
+                    cfg.policy.clone(),
+                    cfg.online_calibration,
+                    None,
+                    metrics.clone(),
+                ),
+                cfg,
+                metrics,
                 costs,
-                acceptance: AcceptanceStats::new(64, 200.0),
-                recal: None,
-                draft_secs: 0.0,
-                draft_skips_in_row: 0,
+                next_id: 0,
             },
             handle,
         )
@@ -278,14 +251,19 @@ impl Engine {
 
     /// Attaches the model drafter used by `parallel` / `dspark-*` speculation.
     pub fn with_drafter(mut self, drafter: Drafter) -> Self {
-        if self.cfg.online_calibration > 0.0 {
-            self.recal = Some(OnlineCalibration::new(
-                drafter.model.config().block_size,
-                self.cfg.online_calibration,
-            ));
-        }
-        self.drafter = Some(drafter);
+        self.spec = Speculator::new(
+            self.cfg.speculation,
+            self.cfg.policy.clone(),
+            self.cfg.online_calibration,
+            Some(drafter),
+            self.metrics.clone(),
+        );
         self
+    }
+
+    /// The speculation component (its counters and last plan, for tests and the trace).
+    pub fn speculator(&self) -> &Speculator {
+        &self.spec
     }
 
     /// Largest prompt + max_tokens one request may ask for.
@@ -312,6 +290,7 @@ impl Engine {
                         .send(Event::Error(format!("engine error: {e:#}")));
                     let mut b = s.blocks;
                     self.kv.truncate(&mut b, 0);
+                    self.spec.release(s.id);
                 }
             }
         }
@@ -320,7 +299,9 @@ impl Engine {
     fn enqueue(&mut self, req: GenRequest) {
         let seed = req.params.seed.unwrap_or_else(rand::random);
         let prompt_len = req.prompt.len();
+        self.next_id += 1;
         self.waiting.push_back(Seq {
+            id: self.next_id,
             tokens: req.prompt.clone(),
             prompt_len,
             cached: 0,
@@ -334,11 +315,6 @@ impl Engine {
             queued_metric_done: false,
             draft_tokens: 0,
             accepted_tokens: 0,
-            draft_blocks: Vec::new(),
-            draft_ctx: None,
-            draft_fed: 0,
-            draft_pending: PendingFeatures::default(),
-            shadow: None,
             phase: tracing::info_span!(target: TRACE_TARGET, parent: &req.span, "phase", otel.name = "queue"),
             req,
         });
@@ -357,56 +333,9 @@ impl Engine {
             .set(used as f64 / self.kv.total_blocks() as f64);
     }
 
-    /// Writes the held features of sequences `idx` into the drafter's context cache in one
-    /// batched pass. A sequence the drafter cache cannot hold keeps its backlog (and decodes
-    /// without drafting until there is room).
-    fn feed_drafter(&mut self, idx: &[usize]) -> Result<()> {
-        let Some(d) = self.drafter.as_mut() else {
-            return Ok(());
-        };
-        let (mut fed, mut hidden) = (Vec::new(), Vec::new());
-        for &i in idx {
-            let s = &mut self.running[i];
-            if s.draft_pending.rows == 0 || !d.kv.ensure(&mut s.draft_blocks, s.cached) {
-                continue;
-            }
-            hidden.push(s.draft_pending.take()?);
-            fed.push(i);
-        }
-        if fed.is_empty() {
-            return Ok(());
-        }
-        let feeds: Vec<ContextFeed> = fed
-            .iter()
-            .zip(&hidden)
-            .map(|(&i, h)| {
-                let s = &self.running[i];
-                ContextFeed {
-                    table: &s.draft_blocks,
-                    start: s.draft_fed,
-                    hidden: h,
-                }
-            })
-            .collect();
-        let last = d.model.append_contexts(&mut d.kv, &feeds)?;
-        for (&i, c) in fed.iter().zip(last) {
-            let s = &mut self.running[i];
-            s.draft_fed = s.cached;
-            if c.is_some() {
-                s.draft_ctx = c;
-            }
-        }
-        Ok(())
-    }
-
     fn release(&mut self, s: &mut Seq) {
         self.kv.truncate(&mut s.blocks, 0);
-        if let Some(d) = &mut self.drafter {
-            d.kv.truncate(&mut s.draft_blocks, 0);
-        }
-        s.draft_ctx = None;
-        s.draft_fed = 0;
-        s.draft_pending = PendingFeatures::default();
+        self.spec.release(s.id);
         s.cached = 0;
     }
 
@@ -487,15 +416,42 @@ impl Engine {
             .sum();
         // Draft tokens compete with prefill for the batch; decoding goes first.
         let room = budget.saturating_sub(decoding.len());
-        let mut proposals = self.draft_with_model(room + 1, max_ctx)?;
-        for &i in &decoding {
-            if let std::collections::hash_map::Entry::Vacant(v) = proposals.entry(i) {
-                if let Some(p) = self.propose(i, room, max_ctx) {
-                    v.insert(p);
+        let shape = StepShape {
+            base_b: decoding.len() + prefill_demand.min(room),
+            max_b: self.cfg.max_batch_tokens,
+        };
+        let mut proposals = std::collections::HashMap::new();
+        if self.spec.kind() != Speculation::None && !decoding.is_empty() {
+            let table = self.costs.current();
+            let caps: Vec<(u64, usize, usize)> = decoding
+                .iter()
+                .map(|&i| {
+                    let s = &self.running[i];
+                    (s.id, self.draft_cap(i, room, max_ctx), s.tokens.len())
+                })
+                .collect();
+            let mut cands: Vec<Candidate> = Vec::with_capacity(decoding.len());
+            let mut by_index: Vec<Option<&mut Seq>> = self.running.iter_mut().map(Some).collect();
+            for (&i, c) in decoding.iter().zip(&caps) {
+                let s = by_index[i].take().expect("decoding indices are distinct");
+                cands.push(Candidate {
+                    id: s.id,
+                    cached: s.cached,
+                    tokens: &s.tokens,
+                    cap: c.1,
+                    params: &s.req.params,
+                    rng: &mut s.rng,
+                });
+            }
+            let drafted = self.spec.propose(&mut cands, &self.model, shape, &table)?;
+            drop(cands);
+            let planned = self.spec.plan(&caps, drafted, shape, &table);
+            for (&i, p) in decoding.iter().zip(planned) {
+                if let Some(p) = p {
+                    proposals.insert(i, p);
                 }
             }
         }
-        let mut proposals = self.plan_verify(&decoding, proposals, room, prefill_demand, max_ctx);
         let mut preempt = Vec::new();
         for i in order {
             if budget == 0 {
@@ -562,11 +518,7 @@ impl Engine {
         let b: usize = batch.iter().map(|s| s.tokens.len()).sum();
         self.metrics.batch_tokens.observe(b as f64);
         self.metrics.steps.inc();
-        let hidden_layers: Vec<usize> = self
-            .drafter
-            .as_ref()
-            .map(|d| d.model.target_layers().to_vec())
-            .unwrap_or_default();
+        let hidden_layers = self.spec.hidden_layers();
         let out = self.model.forward(&batch, &mut self.kv, &hidden_layers)?;
         let logits = if out.logits.dim(0)? > 0 {
             out.logits.to_vec2::<f32>()?
@@ -586,11 +538,10 @@ impl Engine {
                 self.metrics.prompt_tokens.inc_by(prompt_part as u64);
             }
             if sb.num_logits == 0 {
-                if self.drafter.is_some() {
-                    s.draft_pending
-                        .push(&out.hidden, first_row, sb.tokens.len())?;
-                }
                 s.cached += sb.tokens.len();
+                let (id, cached) = (s.id, s.cached);
+                self.spec
+                    .commit(id, &out.hidden, first_row, sb.tokens.len(), cached, None)?;
                 continue;
             }
             let rows = &logits[row..row + sb.num_logits];
@@ -613,13 +564,7 @@ impl Engine {
             // rejected positions are rolled back.
             let drafted = pl.proposal.as_ref().map_or(0, |p| p.tokens.len());
             let valid = sb.tokens.len() - drafted + accepted;
-            if self.drafter.is_some() {
-                s.draft_pending.push(&out.hidden, first_row, valid)?;
-            }
             s.cached += valid;
-            if let Some(d) = &mut self.drafter {
-                d.kv.truncate(&mut s.draft_blocks, s.cached);
-            }
             self.kv.truncate(&mut s.blocks, s.cached);
             if pl.decoding && self.cfg.speculation != Speculation::None {
                 self.metrics.committed_tokens.inc_by(commit.len() as u64);
@@ -627,36 +572,19 @@ impl Engine {
             if drafted > 0 {
                 s.draft_tokens += drafted;
                 s.accepted_tokens += accepted;
-                self.metrics.spec_drafts.inc();
-                self.metrics.spec_draft_tokens.inc_by(drafted as u64);
-                self.metrics.spec_accepted_tokens.inc_by(accepted as u64);
-                for pos in 0..accepted {
-                    self.metrics
-                        .spec_accepted_per_pos
-                        .get_or_create(&PositionLabel {
-                            position: pos as u32,
-                        })
-                        .inc();
-                }
             }
-            if let (Some(oc), Some(p)) = (&mut self.recal, &pl.proposal) {
-                let greedy = is_greedy(&p.q);
-                oc.record(greedy, &p.confidence, accepted);
-                let mode = if greedy { "greedy" } else { "sampled" };
-                let params = oc.offsets(greedy).iter().zip(oc.scales(greedy));
-                for (k, (&off, &scale)) in params.enumerate().take(accepted + 1) {
-                    let label = ModePositionLabel {
-                        mode: mode.into(),
-                        position: k as u32,
-                    };
-                    let m = &self.metrics;
-                    m.calibration_offset.get_or_create(&label).set(off as f64);
-                    m.calibration_scale.get_or_create(&label).set(scale as f64);
-                }
-            }
-            if drafted > 0 {
-                self.record_acceptance(drafted, accepted);
-            }
+            let (id, cached) = (s.id, s.cached);
+            self.spec.commit(
+                id,
+                &out.hidden,
+                first_row,
+                valid,
+                cached,
+                pl.proposal.as_ref().map(|p| Verified {
+                    proposal: p,
+                    accepted,
+                }),
+            )?;
             let s = &mut self.running[i];
             if pl.decoding && self.cfg.speculation != Speculation::None {
                 tracing::info!(
@@ -678,19 +606,14 @@ impl Engine {
                     break;
                 }
             }
-            self.resolve_shadow(i);
+            let s = &self.running[i];
+            self.spec.observe(s.id, &s.tokens);
         }
         finished.sort_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason) in finished {
             let mut s = self.running.swap_remove(i);
             self.finish(&mut s, reason);
         }
-        // Long backlogs (prefill chunks, or decoding while the gate keeps the drafter off)
-        // go into the drafter cache now, so held features stay small.
-        let backlog: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].draft_pending.rows >= FEED_BACKLOG_ROWS)
-            .collect();
-        self.feed_drafter(&backlog)?;
         self.publish_counts();
         Ok(())
     }
@@ -705,222 +628,6 @@ impl Engine {
             .saturating_sub(1)
             .min(room)
             .min(max_ctx.saturating_sub(s.tokens.len() + 1))
-    }
-
-    /// One batched drafter forward for every decoding sequence (model drafters only).
-    fn draft_with_model(
-        &mut self,
-        room: usize,
-        max_ctx: usize,
-    ) -> Result<HashMap<usize, Proposal>> {
-        let mut out = HashMap::new();
-        if self.drafter.is_none() {
-            return Ok(out);
-        }
-        let block = self
-            .drafter
-            .as_ref()
-            .map_or(0, |d| d.model.config().block_size);
-        let gamma = self.cfg.policy.gamma().min(block);
-        let mut who = Vec::new();
-        for i in 0..self.running.len() {
-            let s = &self.running[i];
-            if s.tokens.len() - s.cached != 1 {
-                continue;
-            }
-            let g = gamma.min(self.draft_cap(i, room.saturating_sub(1), max_ctx));
-            if g > 0 {
-                who.push((i, g));
-            }
-        }
-        if matches!(self.cfg.policy, VerifyPolicy::Dspark { .. }) && !who.is_empty() {
-            // The dspark policy's objective with the drafter's own time: skip the drafter
-            // while its live acceptance cannot pay for it (plain decoding, still lossless).
-            let rates: Vec<f32> = (0..gamma).map(|k| self.acceptance.rate(k)).collect();
-            let table = self.costs.current();
-            let pays = crate::spec::scheduler::drafting_pays(
-                &rates,
-                who.len(),
-                gamma,
-                self.draft_secs,
-                &|b| table.sps(b),
-            );
-            if !pays && self.draft_skips_in_row + 1 < DRAFT_PROBE {
-                self.draft_skips_in_row += 1;
-                self.metrics.draft_skips.inc();
-                return Ok(out);
-            }
-            self.draft_skips_in_row = 0;
-        }
-        let d = self.drafter.as_mut().expect("checked");
-        // Blocks must cover the draft positions; a sequence the drafter cache cannot hold
-        // just decodes without drafting this step.
-        who.retain(|&(i, g)| {
-            let s = &mut self.running[i];
-            d.kv.ensure(&mut s.draft_blocks, s.cached + g)
-        });
-        if who.is_empty() {
-            return Ok(out);
-        }
-        // The drafter's context must reach the anchor: feed the held features first, timed
-        // with the drafting itself (the gate charges both to drafting).
-        let t0 = std::time::Instant::now();
-        let idx: Vec<usize> = who.iter().map(|w| w.0).collect();
-        self.feed_drafter(&idx)?;
-        who.retain(|&(i, _)| self.running[i].draft_fed == self.running[i].cached);
-        let d = self.drafter.as_mut().expect("checked");
-        let idx: Vec<usize> = who.iter().map(|w| w.0).collect();
-        let mut seqs: Vec<&mut Seq> = self
-            .running
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| idx.contains(i))
-            .map(|(_, s)| s)
-            .collect();
-        let mut reqs: Vec<DraftRequest> = seqs
-            .iter_mut()
-            .zip(&who)
-            .map(|(s, &(_, g))| DraftRequest {
-                anchor: *s.tokens.last().expect("decoding sequences have tokens"),
-                anchor_pos: s.cached,
-                block_table: &s.draft_blocks,
-                gamma: g,
-                params: &s.req.params,
-                rng: &mut s.rng,
-                last_context: s.draft_ctx.as_ref(),
-            })
-            .collect();
-        let blocks = d.model.propose(&mut d.kv, &self.model, &mut reqs)?;
-        let dt = t0.elapsed().as_secs_f64();
-        self.draft_secs = if self.draft_secs == 0.0 {
-            dt
-        } else {
-            0.9 * self.draft_secs + 0.1 * dt
-        };
-        for ((i, _), mut b) in who.into_iter().zip(blocks) {
-            if let Some(oc) = &self.recal {
-                oc.adjust(is_greedy(&b.q), &mut b.confidence);
-            }
-            out.insert(
-                i,
-                Proposal {
-                    tokens: b.tokens,
-                    q: b.q,
-                    confidence: b.confidence,
-                },
-            );
-        }
-        Ok(out)
-    }
-
-    /// Chooses every decoding request's verify length with the policy (the scheduler sees
-    /// all of them at once, the step's prefill tokens and the cost table in force) and cuts
-    /// the proposals to those lengths.
-    fn plan_verify(
-        &mut self,
-        decoding: &[usize],
-        mut proposals: HashMap<usize, Proposal>,
-        room: usize,
-        prefill_demand: usize,
-        max_ctx: usize,
-    ) -> HashMap<usize, Proposal> {
-        if self.cfg.speculation == Speculation::None || decoding.is_empty() {
-            return HashMap::new();
-        }
-        let caps: Vec<usize> = decoding
-            .iter()
-            .map(|&i| self.draft_cap(i, room, max_ctx))
-            .collect();
-        let props: Vec<Option<&Proposal>> = decoding.iter().map(|i| proposals.get(i)).collect();
-        let base_b = decoding.len() + prefill_demand.min(room);
-        let table = self.costs.current();
-        let vp = self
-            .cfg
-            .policy
-            .plan(&props, &caps, base_b, self.cfg.max_batch_tokens, &|b| {
-                table.sps(b)
-            });
-        self.metrics.expected_tokens.inc_by(vp.expected_tau);
-        if let Some(t) = vp.theta {
-            self.metrics.theta.set(t);
-        }
-        let mut out = HashMap::new();
-        for (&i, &l) in decoding.iter().zip(&vp.lens) {
-            self.metrics.verify_len.observe(l as f64);
-            if let Some(p) = proposals.remove(&i) {
-                if l > 0 {
-                    out.insert(i, p.truncated(l));
-                } else if self.cfg.speculation == Speculation::Ngram {
-                    let s = &mut self.running[i];
-                    if s.shadow.is_none() {
-                        s.shadow = Some((s.tokens.len(), p.tokens));
-                    }
-                }
-            }
-        }
-        out
-    }
-
-    /// Scores a pending shadow draft of sequence `i` once the committed tokens decide it.
-    fn resolve_shadow(&mut self, i: usize) {
-        let s = &mut self.running[i];
-        let Some((start, draft)) = &s.shadow else {
-            return;
-        };
-        let known = s.tokens.len().saturating_sub(*start);
-        let matched = draft
-            .iter()
-            .zip(&s.tokens[(*start).min(s.tokens.len())..])
-            .take_while(|(a, b)| a == b)
-            .count();
-        if matched < known.min(draft.len()) {
-            // First mismatch at `matched`: positions 0..=matched were decided.
-            s.shadow = None;
-            self.record_acceptance(matched + 1, matched);
-        } else if matched == draft.len() {
-            let n = draft.len();
-            s.shadow = None;
-            self.record_acceptance(n, n);
-        }
-    }
-
-    /// Updates the live per-position acceptance rates and their gauges.
-    fn record_acceptance(&mut self, verified: usize, accepted: usize) {
-        self.acceptance.record(verified, accepted);
-        for k in 0..verified.min(accepted + 1).min(16) {
-            self.metrics
-                .live_acceptance
-                .get_or_create(&PositionLabel { position: k as u32 })
-                .set(self.acceptance.rate(k) as f64);
-        }
-    }
-
-    /// A draft block for decoding sequence `i` from a training-free drafter, within `room`
-    /// extra batch tokens and the sequence's remaining token budget. Its confidences are the
-    /// live per-position acceptance rates.
-    fn propose(&mut self, i: usize, room: usize, max_ctx: usize) -> Option<Proposal> {
-        let cap = self.draft_cap(i, room, max_ctx);
-        let s = &self.running[i];
-        let gamma = self.cfg.policy.gamma().min(cap);
-        if gamma == 0 {
-            return None;
-        }
-        match self.cfg.speculation {
-            Speculation::Ngram => {
-                let tokens = ngram::propose(&s.tokens, gamma, 1, 3);
-                (!tokens.is_empty()).then(|| Proposal {
-                    q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
-                    confidence: (0..tokens.len()).map(|k| self.acceptance.rate(k)).collect(),
-                    tokens,
-                })
-            }
-            // Model drafters propose in one batch (draft_with_model); a sequence they
-            // skipped this step decodes plainly.
-            Speculation::None
-            | Speculation::Parallel
-            | Speculation::DSparkMarkov
-            | Speculation::DSparkRnn => None,
-        }
     }
 
     /// Appends a sampled token, streams what became final, and says whether the sequence
@@ -1057,50 +764,6 @@ impl Engine {
         });
     }
 }
-
-/// Target hidden-state rows of committed positions `draft_fed..cached` not yet written into
-/// the drafter's context cache. Feeding waits for the step that drafts (one batched pass
-/// over every drafting sequence), so while the gate keeps a drafter off it costs these
-/// copies only, and plain decoding keeps its speed.
-#[derive(Default)]
-struct PendingFeatures {
-    /// Per target layer, chunks of `[rows, hidden]` in position order.
-    layers: Vec<Vec<candle_core::Tensor>>,
-    rows: usize,
-}
-
-impl PendingFeatures {
-    /// Keeps rows `first_row..first_row + n` of this step's hidden states (copied, so the
-    /// step's whole batch is not held).
-    fn push(&mut self, hidden: &[candle_core::Tensor], first_row: usize, n: usize) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        if self.layers.is_empty() {
-            self.layers = vec![Vec::new(); hidden.len()];
-        }
-        for (chunks, h) in self.layers.iter_mut().zip(hidden) {
-            chunks.push(h.narrow(0, first_row, n)?.force_contiguous()?);
-        }
-        self.rows += n;
-        Ok(())
-    }
-
-    /// All held rows, one `[rows, hidden]` tensor per target layer; empties the backlog.
-    fn take(&mut self) -> Result<Vec<candle_core::Tensor>> {
-        let out = self
-            .layers
-            .iter()
-            .map(|c| candle_core::Tensor::cat(c, 0))
-            .collect::<candle_core::Result<_>>()?;
-        *self = Self::default();
-        Ok(out)
-    }
-}
-
-/// A pending backlog this long is fed at the end of the step even if the sequence does not
-/// draft (twice the gate's probe period, so a gated-off decode never reaches it first).
-const FEED_BACKLOG_ROWS: usize = 2 * DRAFT_PROBE;
 
 /// One sequence's share of a step.
 struct Planned {

@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router;
-use dspark_engine::spec::{Speculation, VerifyPolicy};
+use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use dspark_engine::VERSION;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -70,6 +70,16 @@ struct ProfileArgs {
     /// Most repetitions per point.
     #[arg(long, default_value_t = 60)]
     max_reps: usize,
+    /// Also measure the drafter's time per draft call (the table's `draft_points`, which
+    /// the dspark policy uses to price drafting): this drafter checkpoint folder...
+    #[arg(long)]
+    drafter: Option<PathBuf>,
+    /// ...of this kind (parallel | dspark-markov | dspark-rnn; default: the checkpoint's head).
+    #[arg(long)]
+    speculation: Option<String>,
+    /// Largest number of drafting sequences to measure (default: --max-batch).
+    #[arg(long)]
+    max_draft_seqs: Option<u32>,
 }
 
 #[derive(clap::Args)]
@@ -135,7 +145,7 @@ struct ServeArgs {
     /// step of a per-position scale and offset on the logit, on top of STS, per decoding
     /// mode (0: off). Keeps the threshold and dspark policies honest on traffic unlike the
     /// calibration data.
-    #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::spec::recalibrate::DEFAULT_STEP)]
+    #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
     online_calibration: f32,
     /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.
     /// Without one the built-in conservative default is used until one is pushed.
@@ -332,12 +342,55 @@ fn profile(a: ProfileArgs) -> Result<()> {
             p.reps
         )
     })?;
+    let mut draft_points = Vec::new();
+    if let Some(path) = &a.drafter {
+        let spec = match &a.speculation {
+            Some(s) => Speculation::parse(s).with_context(|| {
+                format!("unknown --speculation '{s}'; use parallel, dspark-markov or dspark-rnn")
+            })?,
+            None => runtime::drafter_kind(path)?,
+        };
+        let max_n = a.max_draft_seqs.unwrap_or(a.max_batch).max(1);
+        let mut d = runtime::build_drafter(
+            spec,
+            Some(path),
+            1,
+            &model,
+            max_n as usize * (a.context + 32),
+            16,
+        )?
+        .with_context(|| {
+            format!(
+                "--speculation {} has no model drafter to profile",
+                spec.name()
+            )
+        })?;
+        let opts = dspark_engine::profile::DraftProfileOptions {
+            seqs: log_grid(max_n, 1),
+            max_len: d.model.config().block_size,
+            context: a.context,
+            ..Default::default()
+        };
+        eprintln!(
+            "profiling the drafter {} over sequences {:?} x draft lengths 1..={}",
+            path.display(),
+            opts.seqs,
+            opts.max_len
+        );
+        draft_points =
+            dspark_engine::profile::measure_draft(&model, &mut d, &opts, &mut |n, l, t| {
+                if l == 1 || l as usize == opts.max_len {
+                    eprintln!("  {n:>3} sequences x {l:>2} tokens  {:>8.3} ms", t * 1e3);
+                }
+            })?;
+    }
     let table = cost_table(
         &model,
         &runtime::device_name(&device),
         a.node_type,
         a.drafter_id,
         &points,
+        draft_points,
     );
     table.validate()?;
     let text = if a.compact {

@@ -98,6 +98,10 @@ pub struct Metrics {
     pub preemptions: Counter,
     pub spec_drafts: Counter,
     pub draft_skips: Counter,
+    /// Steps that ran the model drafter (probes included).
+    pub draft_steps: Counter,
+    /// Calls into model-drafter code (context feeds and drafts).
+    pub drafter_calls: Counter,
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
     pub spec_accepted_per_pos: Family<PositionLabel, Counter>,
@@ -156,6 +160,8 @@ impl Metrics {
             preemptions: Counter::default(),
             spec_drafts: Counter::default(),
             draft_skips: Counter::default(),
+            draft_steps: Counter::default(),
+            drafter_calls: Counter::default(),
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
             spec_accepted_per_pos: Family::default(),
@@ -251,6 +257,16 @@ impl Metrics {
             "dspark_spec_decode_draft_skipped_steps",
             "Steps where the dspark policy did not run the model drafter (expected not to pay)",
             m.draft_skips.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_draft_steps",
+            "Steps that ran the model drafter, probes included",
+            m.draft_steps.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_drafter_calls",
+            "Calls into model-drafter code (context feeds and drafts); none in a step that drafts nothing",
+            m.drafter_calls.clone(),
         );
         r.register(
             "dspark_spec_decode_num_draft_tokens",

@@ -6,8 +6,14 @@
 
 use crate::kv::KvCache;
 use crate::model::{Model, SeqBatch};
+use crate::sampling::SamplingParams;
+use crate::speculative::dspark::{ContextFeed, DraftRequest};
+use crate::speculative::speculator::Drafter;
 use anyhow::Result;
+use candle_core::Tensor;
 use dspark_types::{CostTable, COST_TABLE_SCHEMA};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
 
 #[derive(Debug, Clone)]
@@ -150,6 +156,129 @@ pub fn measure(
     Ok(points)
 }
 
+/// What [`measure_draft`] measures.
+#[derive(Debug, Clone)]
+pub struct DraftProfileOptions {
+    /// Numbers of drafting sequences.
+    pub seqs: Vec<u32>,
+    /// Draft lengths `1..=max_len` (at most the drafter's block size).
+    pub max_len: usize,
+    /// Context positions already in the drafter cache of every sequence.
+    pub context: usize,
+    /// Timed repetitions per point (after one warm-up); the median is kept.
+    pub reps: usize,
+}
+
+impl Default for DraftProfileOptions {
+    fn default() -> Self {
+        Self {
+            seqs: vec![1, 2, 4, 8, 16, 32, 64],
+            max_len: 16,
+            context: 256,
+            reps: 7,
+        }
+    }
+}
+
+/// Rows fed into the drafter's context per sequence and call in the measurement: about
+/// what a sequence commits per verify cycle.
+const DRAFT_FEED_ROWS: usize = 2;
+
+/// Seconds of one drafter call (the context feed of [`DRAFT_FEED_ROWS`] committed rows per
+/// sequence, then one batched greedy draft) for every `(sequences, length)` of the grid, as
+/// serving runs it: `[(n, l, seconds)]` sorted, for [`CostTable::draft_points`].
+pub fn measure_draft(
+    target: &Model,
+    d: &mut Drafter,
+    opts: &DraftProfileOptions,
+    progress: &mut dyn FnMut(u32, u32, f64),
+) -> Result<Vec<(u32, u32, f64)>> {
+    let hidden = target.cfg.hidden_size;
+    let layers = d.model.target_layers().len();
+    let max_len = opts.max_len.clamp(1, d.model.config().block_size);
+    let dev = target.device.clone();
+    let params = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let randn = |rows: usize| -> Result<Vec<Tensor>> {
+        (0..layers)
+            .map(|_| Ok(Tensor::randn(0f32, 1.0, (rows, hidden), &dev)?))
+            .collect()
+    };
+    let ctx_hidden = randn(opts.context.max(1))?;
+    let step_hidden = randn(DRAFT_FEED_ROWS)?;
+    let mut out = Vec::new();
+    for &n in &opts.seqs {
+        let n = n.max(1) as usize;
+        let mut tables = Vec::new();
+        for _ in 0..n {
+            let mut t = Vec::new();
+            anyhow::ensure!(
+                d.kv.ensure(&mut t, opts.context + DRAFT_FEED_ROWS + max_len),
+                "drafter KV cache too small to profile {n} drafting sequences"
+            );
+            tables.push(t);
+        }
+        let feeds: Vec<ContextFeed> = tables
+            .iter()
+            .map(|t| ContextFeed {
+                table: t,
+                start: 0,
+                hidden: &ctx_hidden,
+            })
+            .collect();
+        if opts.context > 0 {
+            d.model.append_contexts(&mut d.kv, &feeds)?;
+        }
+        let mut rngs: Vec<ChaCha8Rng> = (0..n)
+            .map(|i| ChaCha8Rng::seed_from_u64(i as u64))
+            .collect();
+        for l in 1..=max_len {
+            let mut times = Vec::new();
+            for rep in 0..=opts.reps.max(1) {
+                let t0 = Instant::now();
+                let feeds: Vec<ContextFeed> = tables
+                    .iter()
+                    .map(|t| ContextFeed {
+                        table: t,
+                        start: opts.context,
+                        hidden: &step_hidden,
+                    })
+                    .collect();
+                let last = d.model.append_contexts(&mut d.kv, &feeds)?;
+                let mut reqs: Vec<DraftRequest> = tables
+                    .iter()
+                    .zip(rngs.iter_mut())
+                    .zip(&last)
+                    .enumerate()
+                    .map(|(i, ((t, rng), c))| DraftRequest {
+                        anchor: 100 + i as u32,
+                        anchor_pos: opts.context + DRAFT_FEED_ROWS,
+                        block_table: t,
+                        gamma: l,
+                        params: &params,
+                        rng,
+                        last_context: c.as_ref(),
+                    })
+                    .collect();
+                d.model.propose(&mut d.kv, target, &mut reqs)?;
+                if rep > 0 {
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            times.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+            let med = times[times.len() / 2];
+            progress(n as u32, l as u32, med);
+            out.push((n as u32, l as u32, med));
+        }
+        for mut t in tables {
+            d.kv.truncate(&mut t, 0);
+        }
+    }
+    Ok(out)
+}
+
 /// Builds a valid cost table from measured points. Noise can make a larger B look a bit
 /// faster; SPS is made non-increasing by carrying the running minimum forward.
 pub fn cost_table(
@@ -158,6 +287,7 @@ pub fn cost_table(
     node_type: Option<String>,
     drafter_id: Option<String>,
     points: &[Point],
+    draft_points: Vec<(u32, u32, f64)>,
 ) -> CostTable {
     let mut pts = Vec::new();
     let mut floor = f64::INFINITY;
@@ -167,7 +297,11 @@ pub fn cost_table(
         pts.push((p.b, sps));
     }
     CostTable {
-        schema: COST_TABLE_SCHEMA,
+        schema: if draft_points.is_empty() {
+            1
+        } else {
+            COST_TABLE_SCHEMA
+        },
         model_id: model.id.clone(),
         drafter_id,
         engine_version: crate::VERSION.to_string(),
@@ -176,6 +310,7 @@ pub fn cost_table(
         dtype: model.weights.dtype.clone(),
         measured_at: rfc3339_now(),
         points: pts,
+        draft_points,
     }
 }
 

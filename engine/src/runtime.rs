@@ -117,10 +117,14 @@ pub struct AppOptions {
 fn startup_profile(
     model: &Model,
     kv: &mut crate::kv::KvCache,
+    drafter: Option<&mut crate::speculative::speculator::Drafter>,
+    gamma: usize,
     costs: &crate::cost::CostTables,
     device: &str,
 ) -> Result<()> {
-    use crate::profile::{cost_table, log_grid, measure, ProfileOptions};
+    use crate::profile::{
+        cost_table, log_grid, measure, measure_draft, DraftProfileOptions, ProfileOptions,
+    };
     let t0 = std::time::Instant::now();
     let opts = ProfileOptions {
         grid: log_grid(32, 2),
@@ -130,7 +134,21 @@ fn startup_profile(
         ..Default::default()
     };
     let points = measure(model, kv, &opts, &mut |_| {}).context("start-up profile")?;
-    let table = cost_table(model, device, None, None, &points);
+    // The drafter's time per call, so the scheduler prices drafting (up to the batch sizes
+    // the SPS grid covers and the policy's block).
+    let draft_points = match drafter {
+        Some(d) => {
+            let opts = DraftProfileOptions {
+                seqs: log_grid(32, 1),
+                max_len: gamma.min(d.model.config().block_size),
+                context: 64,
+                reps: 5,
+            };
+            measure_draft(model, d, &opts, &mut |_, _, _| {}).context("start-up drafter profile")?
+        }
+        None => Vec::new(),
+    };
+    let table = cost_table(model, device, None, None, &points, draft_points);
     let active = costs
         .install(
             &table.to_json_pretty(),
@@ -142,22 +160,42 @@ fn startup_profile(
         sps1 = format!("{:.1}", active.sps(1)),
         sps4 = format!("{:.1}", active.sps(4)),
         sps16 = format!("{:.1}", active.sps(16)),
+        draft1_ms = active
+            .table
+            .draft_seconds(1, gamma as u32)
+            .map(|t| format!("{:.2}", t * 1e3)),
         "measured the SPS(B) cost table at start-up (give --cost-table to skip)"
     );
     Ok(())
 }
 
 /// Builds the model drafter that `speculation` needs, if any.
+/// The speculation kind of a drafter checkpoint folder, from its head type.
+pub fn drafter_kind(path: &Path) -> Result<crate::speculative::Speculation> {
+    use crate::speculative::dspark::{DSparkConfig, HeadKind};
+    use crate::speculative::Speculation;
+    let cfg_path = path.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("cannot read {}", cfg_path.display()))?;
+    let cfg: DSparkConfig = serde_json::from_str(&text)
+        .with_context(|| format!("{}: not a drafter config", cfg_path.display()))?;
+    Ok(match cfg.markov_head_type {
+        HeadKind::Parallel => Speculation::Parallel,
+        HeadKind::Markov => Speculation::DSparkMarkov,
+        HeadKind::Rnn => Speculation::DSparkRnn,
+    })
+}
+
 pub fn build_drafter(
-    speculation: crate::spec::Speculation,
+    speculation: crate::speculative::Speculation,
     path: Option<&Path>,
     gamma: usize,
     model: &Model,
     target_kv_tokens: usize,
     block_size: usize,
-) -> Result<Option<crate::engine::Drafter>> {
-    use crate::spec::dspark::{DSparkDrafter, HeadKind};
-    use crate::spec::Speculation;
+) -> Result<Option<crate::speculative::speculator::Drafter>> {
+    use crate::speculative::dspark::{DSparkDrafter, HeadKind};
+    use crate::speculative::Speculation;
     let head = match speculation {
         Speculation::None | Speculation::Ngram => return Ok(None),
         Speculation::Parallel => HeadKind::Parallel,
@@ -199,7 +237,10 @@ pub fn build_drafter(
         block_size,
         &model.device,
     )?;
-    Ok(Some(crate::engine::Drafter { model: drafter, kv }))
+    Ok(Some(crate::speculative::speculator::Drafter {
+        model: drafter,
+        kv,
+    }))
 }
 
 /// Loads the model, starts the engine thread and returns the HTTP state plus a one-line
@@ -241,13 +282,6 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         &device_name(&device),
         Some(metrics.clone()),
     ));
-    if let Some(p) = &opts.cost_table {
-        costs.watch_file(p, std::time::Duration::from_secs(1))?;
-    } else if opts.startup_profile
-        && matches!(opts.engine.policy, crate::spec::VerifyPolicy::Dspark { .. })
-    {
-        startup_profile(&model, &mut kv, &costs, &device_name(&device))?;
-    }
     let summary = format!(
         "dspark-engine {} serving {model_id} ({} {}, {} layers) on {} | KV cache {} MiB {:?} = {} tokens in {} blocks | max sequence {} tokens",
         crate::VERSION,
@@ -261,7 +295,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         kv.total_blocks(),
         max_seq,
     );
-    let drafter = build_drafter(
+    let mut drafter = build_drafter(
         opts.engine.speculation,
         opts.drafter.as_deref(),
         opts.engine.policy.gamma(),
@@ -269,6 +303,23 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         kv.capacity_tokens(),
         opts.kv_block_size,
     )?;
+    if let Some(p) = &opts.cost_table {
+        costs.watch_file(p, std::time::Duration::from_secs(1))?;
+    } else if opts.startup_profile
+        && matches!(
+            opts.engine.policy,
+            crate::speculative::VerifyPolicy::Dspark { .. }
+        )
+    {
+        startup_profile(
+            &model,
+            &mut kv,
+            drafter.as_mut(),
+            opts.engine.policy.gamma(),
+            &costs,
+            &device_name(&device),
+        )?;
+    }
     let model = Arc::new(model);
     let tok = Arc::new(tok);
     let (mut engine, handle) = Engine::new(

@@ -9,7 +9,7 @@ mod common;
 use common::{metric, serve, Server};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
-use dspark_engine::spec::{Speculation, VerifyPolicy};
+use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use serde_json::{json, Value};
 use std::time::Duration;
 

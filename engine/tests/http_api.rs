@@ -400,7 +400,7 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
 
 #[test]
 fn speculative_engines_stream_the_same_greedy_text_over_http() {
-    use dspark_engine::spec::{Speculation, VerifyPolicy};
+    use dspark_engine::speculative::{Speculation, VerifyPolicy};
     let plain = server();
     let body = |stream: bool| {
         chat(

@@ -7,7 +7,7 @@ mod common;
 use dspark_engine::engine::{EngineConfig, Event, GenRequest};
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::sampling::SamplingParams;
-use dspark_engine::spec::{Speculation, VerifyPolicy};
+use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -39,7 +39,7 @@ fn run(
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
 ) -> Vec<(String, usize, usize, usize)> {
-    let step = dspark_engine::spec::recalibrate::DEFAULT_STEP;
+    let step = dspark_engine::speculative::recalibrate::DEFAULT_STEP;
     run_with(speculation, policy, prompts, max_tokens, drafter, step).0
 }
 
@@ -52,6 +52,47 @@ fn run_with(
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
     online: f32,
+) -> (Vec<(String, usize, usize, usize)>, String) {
+    run_with_table(
+        speculation,
+        policy,
+        prompts,
+        max_tokens,
+        drafter,
+        online,
+        None,
+    )
+}
+
+/// A cost table for the served model: `sps(B)` at B = 1, 2, 4, ... 1024 and a draft time of
+/// `draft_ms` for every (sequences, length) up to 64 x 16.
+fn table_json(model_id: &str, sps: impl Fn(f64) -> f64, draft_ms: f64) -> String {
+    let points: Vec<(u32, f64)> = (0..=10)
+        .map(|i| (1u32 << i, sps((1u32 << i) as f64)))
+        .collect();
+    let mut draft = Vec::new();
+    for n in [1u32, 2, 4, 8, 16, 32, 64] {
+        for l in 1..=16u32 {
+            draft.push((n, l, draft_ms * 1e-3));
+        }
+    }
+    serde_json::json!({
+        "schema": 2, "model_id": model_id, "engine_version": dspark_engine::VERSION,
+        "device": "cpu", "dtype": "q4_1", "measured_at": "2026-12-01T00:00:00Z",
+        "points": points, "draft_points": draft,
+    })
+    .to_string()
+}
+
+/// [`run_with`], with the cost table `table(model_id)` installed before any request.
+fn run_with_table(
+    speculation: Speculation,
+    policy: VerifyPolicy,
+    prompts: &[String],
+    max_tokens: usize,
+    drafter: Option<std::path::PathBuf>,
+    online: f32,
+    table: Option<&dyn Fn(&str) -> String>,
 ) -> (Vec<(String, usize, usize, usize)>, String) {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
@@ -75,6 +116,15 @@ fn run_with(
         startup_profile: false,
     })
     .unwrap();
+    if let Some(t) = table {
+        state
+            .costs
+            .install(
+                &t(&state.target_model_id),
+                dspark_types::CostTableSource::Admin,
+            )
+            .unwrap();
+    }
     let mut rxs = Vec::new();
     for p in prompts {
         let prompt = state.tok.encode(p, state.tok.add_bos).unwrap();
@@ -252,5 +302,84 @@ fn online_recalibration_with_a_confidence_policy_is_lossless() {
     assert!(
         offsets.iter().any(|&o| o != 0.0),
         "offsets never moved: {offsets:?}"
+    );
+}
+
+fn shipped_drafter() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../drafters/smollm2-135m-dspark-markov")
+}
+
+/// The dspark policy prices the whole cycle. Where verification never pays (every extra
+/// token in the forward costs a whole step), the plan drafts nobody: only probes run the
+/// drafter (one sequence, every 16th skipped step), and no drafter code runs in any other
+/// step, as the drafter itself counts its calls. Where verification and drafting are
+/// nearly free, most steps draft. The output is the target's either way.
+#[test]
+fn a_step_that_drafts_nothing_runs_no_drafter_code() {
+    let prompts: Vec<String> = prompts().into_iter().take(8).collect();
+    let max_tokens = 48;
+    let plain = run(
+        Speculation::None,
+        VerifyPolicy::Fixed { gamma: 1 },
+        &prompts,
+        max_tokens,
+        None,
+    );
+    let policy = VerifyPolicy::Dspark { gamma: 4 };
+    let steep = |id: &str| table_json(id, |b| 100.0 / b, 1.0);
+    let (spec, m) = run_with_table(
+        Speculation::DSparkMarkov,
+        policy.clone(),
+        &prompts,
+        max_tokens,
+        Some(shipped_drafter()),
+        0.05,
+        Some(&steep),
+    );
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding");
+    }
+    let steps = common::metric(&m, "dspark_engine_steps_total");
+    let skipped = common::metric(&m, "dspark_spec_decode_draft_skipped_steps_total");
+    let drafting = common::metric(&m, "dspark_spec_decode_draft_steps_total");
+    let calls = common::metric(&m, "dspark_spec_decode_drafter_calls_total");
+    println!(
+        "steep table: {steps} steps, {skipped} skipped, {drafting} drafting, {calls} drafter calls"
+    );
+    assert!(drafting >= 1.0, "no probe ran");
+    // Probes only: one drafting step after every 15 skipped ones.
+    assert!(
+        drafting <= (skipped / 15.0).ceil() + 1.0,
+        "{drafting} drafting steps for {skipped} skipped"
+    );
+    // A drafting step makes at most two calls (one context feed, one draft); the others none.
+    assert!(
+        calls <= 2.0 * drafting,
+        "{calls} drafter calls in {drafting} drafting steps"
+    );
+    assert!(calls >= drafting);
+
+    let flat = |id: &str| table_json(id, |_| 100.0, 0.01);
+    let (spec, m) = run_with_table(
+        Speculation::DSparkMarkov,
+        policy,
+        &prompts,
+        max_tokens,
+        Some(shipped_drafter()),
+        0.05,
+        Some(&flat),
+    );
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(
+            a.0, b.0,
+            "prompt {i} differs from plain decoding (flat table)"
+        );
+    }
+    let skipped = common::metric(&m, "dspark_spec_decode_draft_skipped_steps_total");
+    let drafting = common::metric(&m, "dspark_spec_decode_draft_steps_total");
+    println!("flat table: {skipped} skipped, {drafting} drafting");
+    assert!(
+        drafting > 4.0 * skipped.max(1.0),
+        "{drafting} drafting vs {skipped} skipped steps"
     );
 }

@@ -609,7 +609,8 @@ pub struct DSparkCostTableStatus {
     pub message: Option<String>,
 }
 
-/// Structural schema of [`dspark_types::CostTable`] (its `points` are `[B, sps]` pairs).
+/// Structural schema of [`dspark_types::CostTable`] (its `points` are `[B, sps]` pairs, its
+/// `draft_points` `[sequences, draft_length, seconds]` triples).
 fn cost_table_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     let s = |t: &str| serde_json::json!({ "type": t });
     serde_json::from_value(serde_json::json!({
@@ -629,6 +630,11 @@ fn cost_table_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
                 "type": "array",
                 "description": "[B, steps_per_second] pairs, B strictly increasing.",
                 "items": { "type": "array", "items": s("number"), "minItems": 2, "maxItems": 2 },
+            },
+            "draft_points": {
+                "type": "array",
+                "description": "[sequences, draft_length, seconds] of one drafter call (schema 2).",
+                "items": { "type": "array", "items": s("number"), "minItems": 3, "maxItems": 3 },
             },
         },
     }))

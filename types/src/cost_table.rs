@@ -1,10 +1,16 @@
 //! The SPS(B) cost table: target-forward steps per second as a function of the number of tokens
-//! `B` in one batched forward, measured once per (model, drafter, engine version, device).
+//! `B` in one batched forward, measured once per (model, drafter, engine version, device), and
+//! (schema 2) the drafter's time per draft call by number of drafting sequences and draft
+//! length, so the scheduler can price the whole draft-verify cycle.
 
 use serde::{Deserialize, Serialize};
 
-/// Version of the table's JSON layout. Bumped on incompatible changes.
-pub const COST_TABLE_SCHEMA: u32 = 1;
+/// Version of the table's JSON layout written by this build. Schema 2 added `draft_points`;
+/// schema 1 tables (no draft times) still load.
+pub const COST_TABLE_SCHEMA: u32 = 2;
+
+/// Oldest schema this build reads.
+pub const MIN_COST_TABLE_SCHEMA: u32 = 1;
 
 /// A Kubernetes container termination message holds at most 4096 bytes.
 pub const MAX_COMPACT_BYTES: usize = 4096;
@@ -25,6 +31,12 @@ pub struct CostTable {
     pub measured_at: String,
     /// `[B, steps_per_second]`, strictly increasing in B, non-increasing in SPS.
     pub points: Vec<(u32, f64)>,
+    /// `[sequences, draft_length, seconds]`: wall time of one drafter call (context feed
+    /// plus the batched draft) for that many drafting sequences and draft tokens each.
+    /// Sorted by (sequences, draft_length), both strictly increasing; empty when the table
+    /// was measured without a drafter (or by a schema-1 engine).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub draft_points: Vec<(u32, u32, f64)>,
 }
 
 /// Why a cost table was refused. Every message says what is wrong and what to do.
@@ -32,8 +44,10 @@ pub struct CostTable {
 pub enum CostTableError {
     #[error("cost table is not valid JSON: {0}")]
     Malformed(String),
-    #[error("cost table schema {found} is not supported (this build reads schema {expected}); re-run `dspark-engine profile` with this engine")]
+    #[error("cost table schema {found} is not supported (this build reads schemas {MIN_COST_TABLE_SCHEMA}..={expected}); re-run `dspark-engine profile` with this engine")]
     Schema { found: u32, expected: u32 },
+    #[error("cost table draft point {index} is invalid: {why}")]
+    BadDraftPoint { index: usize, why: String },
     #[error("cost table has no points; re-run `dspark-engine profile`")]
     Empty,
     #[error("cost table point {index} is invalid: {why}")]
@@ -78,6 +92,9 @@ impl CostTable {
         for p in &mut t.points {
             p.1 = round_sig(p.1, 4);
         }
+        for p in &mut t.draft_points {
+            p.2 = round_sig(p.2, 3);
+        }
         let s = serde_json::to_string(&t).expect("cost table serializes");
         if s.len() > MAX_COMPACT_BYTES {
             return Err(CostTableError::TooLarge(s.len()));
@@ -88,7 +105,7 @@ impl CostTable {
     /// Checks the structure: schema, at least one point, B strictly increasing and >= 1,
     /// SPS finite, positive and non-increasing in B.
     pub fn validate(&self) -> Result<(), CostTableError> {
-        if self.schema != COST_TABLE_SCHEMA {
+        if !(MIN_COST_TABLE_SCHEMA..=COST_TABLE_SCHEMA).contains(&self.schema) {
             return Err(CostTableError::Schema {
                 found: self.schema,
                 expected: COST_TABLE_SCHEMA,
@@ -128,7 +145,74 @@ impl CostTable {
                 }
             }
         }
+        self.validate_draft_points()
+    }
+
+    fn validate_draft_points(&self) -> Result<(), CostTableError> {
+        let bad = |index: usize, why: String| Err(CostTableError::BadDraftPoint { index, why });
+        if self.schema < 2 && !self.draft_points.is_empty() {
+            return bad(0, "draft points need schema 2".into());
+        }
+        for (i, &(n, l, secs)) in self.draft_points.iter().enumerate() {
+            if n == 0 || l == 0 {
+                return bad(
+                    i,
+                    format!("sequences and draft length must be at least 1, got [{n}, {l}]"),
+                );
+            }
+            if !secs.is_finite() || secs <= 0.0 {
+                return bad(i, format!("seconds must be a positive number, got {secs}"));
+            }
+            if i > 0 {
+                let (pn, pl, _) = self.draft_points[i - 1];
+                if (n, l) <= (pn, pl) {
+                    return bad(i, format!("points must be sorted by (sequences, draft length), got [{n}, {l}] after [{pn}, {pl}]"));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Seconds of one drafter call for `n` drafting sequences of `l` draft tokens each, from
+    /// the draft points: linear interpolation in `n` between the measured sequence counts
+    /// (proportional beyond the largest, the first row's value below the smallest) at the
+    /// nearest measured length at or above `l` (the longest when `l` is beyond it, scaled
+    /// by `l / l_max`). `None` without draft points.
+    pub fn draft_seconds(&self, n: u32, l: u32) -> Option<f64> {
+        if self.draft_points.is_empty() || n == 0 || l == 0 {
+            return (!self.draft_points.is_empty()).then_some(0.0);
+        }
+        // Rows: one per measured n, each the time at the chosen length.
+        let mut rows: Vec<(u32, f64)> = Vec::new();
+        let mut k = 0;
+        let pts = &self.draft_points;
+        while k < pts.len() {
+            let n0 = pts[k].0;
+            let end = k + pts[k..].iter().take_while(|p| p.0 == n0).count();
+            let row = &pts[k..end];
+            let t = match row.iter().find(|p| p.1 >= l) {
+                Some(p) => p.2,
+                None => {
+                    let last = row[row.len() - 1];
+                    last.2 * l as f64 / last.1 as f64
+                }
+            };
+            rows.push((n0, t));
+            k = end;
+        }
+        let (n_first, t_first) = rows[0];
+        if n <= n_first {
+            return Some(t_first);
+        }
+        let (n_last, t_last) = rows[rows.len() - 1];
+        if n >= n_last {
+            return Some(t_last * n as f64 / n_last as f64);
+        }
+        let i = rows.partition_point(|&(rn, _)| rn <= n);
+        let (xa, ya) = rows[i - 1];
+        let (xb, yb) = rows[i];
+        let t = (n - xa) as f64 / (xb - xa) as f64;
+        Some(ya + t * (yb - ya))
     }
 
     /// Checks that the table was measured for this model, device and engine version.
@@ -226,7 +310,64 @@ mod tests {
             dtype: "q4_1".into(),
             measured_at: "2026-11-29T00:00:00Z".into(),
             points,
+            draft_points: Vec::new(),
         }
+    }
+
+    #[test]
+    fn schema_one_tables_load_and_draft_points_need_schema_two() {
+        let v1 = r#"{"schema":1,"model_id":"m","engine_version":"0.1.0","device":"cpu","dtype":"q4_1","measured_at":"t","points":[[1,100.0],[4,80.0]]}"#;
+        let t = CostTable::from_json(v1).unwrap();
+        assert!(t.draft_points.is_empty());
+        assert_eq!(t.draft_seconds(4, 3), None);
+        let mut t2 = t.clone();
+        t2.draft_points = vec![(1, 1, 0.001)];
+        assert!(matches!(
+            t2.validate(),
+            Err(CostTableError::BadDraftPoint { .. })
+        ));
+        t2.schema = 2;
+        t2.validate().unwrap();
+        // The compact form without draft points is unchanged (no empty field).
+        assert!(!t.to_compact().unwrap().contains("draft_points"));
+    }
+
+    #[test]
+    fn draft_points_are_validated_and_interpolated() {
+        let mut t = table(vec![(1, 100.0)]);
+        t.draft_points = vec![(1, 1, 0.001), (1, 4, 0.002), (4, 1, 0.002), (4, 4, 0.004)];
+        t.validate().unwrap();
+        assert_eq!(t.draft_seconds(1, 1), Some(0.001));
+        assert_eq!(t.draft_seconds(1, 3), Some(0.002)); // next measured length up
+        assert_eq!(t.draft_seconds(1, 8), Some(0.004)); // beyond: scaled by length
+        assert!((t.draft_seconds(2, 4).unwrap() - (0.002 + 0.002 / 3.0)).abs() < 1e-12);
+        assert!((t.draft_seconds(8, 4).unwrap() - 0.008).abs() < 1e-12); // proportional
+        assert_eq!(t.draft_seconds(0, 4), Some(0.0));
+        let mut bad = t.clone();
+        bad.draft_points.swap(1, 2);
+        assert!(matches!(
+            bad.validate(),
+            Err(CostTableError::BadDraftPoint { index: 2, .. })
+        ));
+        bad.draft_points = vec![(1, 0, 0.1)];
+        assert!(bad.validate().is_err());
+        bad.draft_points = vec![(1, 1, -0.1)];
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn a_full_draft_grid_fits_the_compact_form() {
+        let mut t = table((1..=12u32).map(|i| (i * 11, 1000.0 / i as f64)).collect());
+        for n in [1u32, 2, 4, 8, 16, 32, 64, 128] {
+            for l in 1..=16u32 {
+                t.draft_points
+                    .push((n, l, 0.000_123_456 * n as f64 * l as f64));
+            }
+        }
+        let c = t.to_compact().unwrap();
+        assert!(c.len() <= MAX_COMPACT_BYTES, "{} bytes", c.len());
+        let back = CostTable::from_json(&c).unwrap();
+        assert_eq!(back.draft_points.len(), 128);
     }
 
     #[test]
@@ -249,6 +390,8 @@ mod tests {
         assert_eq!(table(vec![]).validate(), Err(CostTableError::Empty));
         let mut t = table(vec![(1, 10.0)]);
         t.schema = 99;
+        assert!(matches!(t.validate(), Err(CostTableError::Schema { .. })));
+        t.schema = 0;
         assert!(matches!(t.validate(), Err(CostTableError::Schema { .. })));
         assert!(matches!(
             CostTable::from_json("{not json"),

@@ -10,4 +10,6 @@ mod admin;
 mod cost_table;
 
 pub use admin::{AdminState, CostTableSource, ErrorBody, ErrorDetail, PushResponse};
-pub use cost_table::{CostTable, CostTableError, COST_TABLE_SCHEMA, MAX_COMPACT_BYTES};
+pub use cost_table::{
+    CostTable, CostTableError, COST_TABLE_SCHEMA, MAX_COMPACT_BYTES, MIN_COST_TABLE_SCHEMA,
+};

@@ -11,6 +11,13 @@
 //!
 //! One job at a time: a second caller while a job runs (tests on several threads) runs its
 //! tasks itself.
+//!
+//! On a shared machine (another process takes a core) a worker can be descheduled in the
+//! middle of a task, and the caller then waits a whole scheduler time slice for it: a
+//! parallel region of 20 us becomes 3 ms, ~150 times per step. The caller times how long it
+//! waits for stragglers after finishing its own share; after [`STRIKES`] waits longer than
+//! [`STRAGGLER`] in a row it runs the next [`SERIAL_JOBS`] jobs alone (the workers park and
+//! leave their core to the other process), then tries the pool again.
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -19,6 +26,13 @@ use std::time::{Duration, Instant};
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(300);
+/// A wait for other threads' tasks this much longer than three of the caller's own tasks
+/// means a worker was descheduled (a region's tasks take 1-50 us).
+const STRAGGLER: Duration = Duration::from_micros(250);
+/// Straggler waits (each decays by one per clean job) that switch the pool to serial.
+const STRIKES: u32 = 3;
+/// Jobs run on the caller alone after contention was seen (a few decode steps).
+const SERIAL_JOBS: u64 = 2048;
 
 struct Job<'a> {
     f: &'a (dyn Fn(usize) + Sync),
@@ -42,8 +56,19 @@ struct Shared {
 
 pub struct Pool {
     shared: Arc<Shared>,
-    busy: Mutex<()>,
+    busy: Mutex<Contention>,
     size: usize,
+}
+
+/// The caller side's view of contention (held under the `busy` lock).
+#[derive(Default)]
+struct Contention {
+    jobs: u64,
+    strikes: u32,
+    /// Jobs up to this count run serially.
+    serial_until: u64,
+    /// Times the pool switched to serial (for tests and diagnostics).
+    fallbacks: u64,
 }
 
 impl Pool {
@@ -67,9 +92,14 @@ impl Pool {
         }
         Self {
             shared,
-            busy: Mutex::new(()),
+            busy: Mutex::new(Contention::default()),
             size,
         }
+    }
+
+    /// Times the pool fell back to serial because workers were descheduled.
+    pub fn fallbacks(&self) -> u64 {
+        self.busy.lock().map_or(0, |c| c.fallbacks)
     }
 
     /// Threads in all, the caller included.
@@ -82,13 +112,19 @@ impl Pool {
         if tasks == 0 {
             return;
         }
-        let guard = match self.busy.try_lock() {
+        let mut guard = match self.busy.try_lock() {
             Ok(g) if tasks > 1 && self.size > 1 => g,
             _ => {
                 (0..tasks).for_each(f);
                 return;
             }
         };
+        guard.jobs += 1;
+        if guard.jobs <= guard.serial_until {
+            drop(guard);
+            (0..tasks).for_each(f);
+            return;
+        }
         let job = Job {
             f,
             tasks,
@@ -109,10 +145,27 @@ impl Pool {
             }
         }
         drop(threads);
-        work(&job);
+        let t0 = Instant::now();
+        let mine = work(&job);
+        let t_own = Instant::now();
         wait_until(|| job.done.load(SeqCst) >= tasks);
+        let waited = t_own.elapsed();
+        // A worker holds at most one task when the caller runs out of them, so a wait much
+        // longer than the caller's own tasks took means the worker was not running.
+        let per_task = (t_own - t0) / (mine.max(1) as u32);
+        let straggler = waited >= STRAGGLER + 3 * per_task;
         s.job.store(std::ptr::null_mut(), SeqCst);
         wait_until(|| s.active.load(SeqCst) == 0);
+        if straggler {
+            guard.strikes += 1;
+            if guard.strikes >= STRIKES {
+                guard.strikes = 0;
+                guard.serial_until = guard.jobs + SERIAL_JOBS;
+                guard.fallbacks += 1;
+            }
+        } else {
+            guard.strikes = guard.strikes.saturating_sub(1);
+        }
         drop(guard);
         if job.panicked.load(SeqCst) {
             panic!("a task of a kernel-pool job panicked");
@@ -134,12 +187,15 @@ fn wait_until(cond: impl Fn() -> bool) {
     }
 }
 
-fn work(job: &Job) {
+/// Runs tasks of `job` until none is left; returns how many this thread ran.
+fn work(job: &Job) -> usize {
+    let mut ran = 0;
     loop {
         let i = job.next.fetch_add(1, SeqCst);
         if i >= job.tasks {
-            return;
+            return ran;
         }
+        ran += 1;
         // A panicking task must still count as done, or the caller would wait forever (and
         // a worker thread must survive it).
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(i))).is_err() {
@@ -179,7 +235,7 @@ fn worker(s: &Shared, me: usize) {
         if !p.is_null() {
             // SAFETY: the caller keeps the job alive while `active > 0` (see `Pool::run`), and
             // it was still published after we registered as active.
-            work(unsafe { &*p });
+            let _ = work(unsafe { &*p });
         }
         s.active.fetch_sub(1, SeqCst);
     }
@@ -258,6 +314,59 @@ mod tests {
             hits[i].fetch_add(1, SeqCst);
         });
         assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
+    }
+
+    /// A worker that stalls in its task (as a descheduled one does) makes the pool run
+    /// the next jobs on the caller alone; later it uses the workers again.
+    #[test]
+    fn stalled_workers_switch_the_pool_to_serial() {
+        let pool = Pool::new(2);
+        let caller = std::thread::current().id();
+        // Let the worker start (a job published before it runs is not seen by it).
+        std::thread::sleep(Duration::from_millis(20));
+        // Each job's task that lands on the worker sleeps 20 ms; the caller's task waits until
+        // the worker holds its task, so the caller is left waiting for it.
+        for _ in 0..STRIKES {
+            let worker_in = AtomicBool::new(false);
+            pool.run(2, &|_| {
+                if std::thread::current().id() != caller {
+                    worker_in.store(true, SeqCst);
+                    std::thread::sleep(Duration::from_millis(20));
+                } else {
+                    let t0 = Instant::now();
+                    while !worker_in.load(SeqCst) && t0.elapsed() < Duration::from_secs(1) {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+        assert_eq!(pool.fallbacks(), 1);
+        let on_caller = AtomicUsize::new(0);
+        for _ in 0..100 {
+            pool.run(8, &|_| {
+                if std::thread::current().id() == caller {
+                    on_caller.fetch_add(1, SeqCst);
+                }
+            });
+        }
+        assert_eq!(on_caller.load(SeqCst), 800, "serial jobs run on the caller");
+        // After the serial period the workers take tasks again.
+        for _ in 0..SERIAL_JOBS {
+            pool.run(2, &|_| {});
+        }
+        let elsewhere = AtomicUsize::new(0);
+        for _ in 0..20 {
+            pool.run(16, &|_| {
+                if std::thread::current().id() != caller {
+                    elsewhere.fetch_add(1, SeqCst);
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            });
+        }
+        assert!(
+            elsewhere.load(SeqCst) > 0,
+            "the workers never ran a task again"
+        );
     }
 
     #[test]

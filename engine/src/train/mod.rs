@@ -21,7 +21,7 @@ pub mod plots;
 mod tests;
 
 use crate::model::Model;
-use crate::spec::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
+use crate::speculative::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Tensor};
 use data::{Dataset, Sequence};

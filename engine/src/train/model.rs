@@ -1,7 +1,7 @@
 //! The drafter as a differentiable function of candle `Var`s, for training.
 //!
 //! Same parameters (names and shapes from [`param_shapes`]) and the same equations as the
-//! serving drafter in `spec/dspark.rs`, but over many blocks of one sequence at once, with
+//! serving drafter in `speculative/dspark.rs`, but over many blocks of one sequence at once, with
 //! only autograd-capable ops (RMSNorm, RoPE, softmax and attention written out):
 //! - context features `c_t = RMSNorm(fc(f(t)))` for every position before the last anchor;
 //! - every anchor `a` is a block `[x_a, MASK x (gamma - 1)]` at positions `a..a + gamma`; its
@@ -15,7 +15,7 @@
 //! and are never stored.
 
 use crate::model::Model;
-use crate::spec::dspark::{
+use crate::speculative::dspark::{
     param_shapes, DSparkConfig, DSparkDrafter, HeadKind, CONF_B, CONF_W, RNN_B, RNN_W, W1, W2,
 };
 use anyhow::{bail, ensure, Context, Result};

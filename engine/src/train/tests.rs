@@ -8,7 +8,7 @@ use super::*;
 use crate::kv::KvCache;
 use crate::model::SeqBatch;
 use crate::sampling::{Dist, SamplingParams};
-use crate::spec::dspark::DraftRequest;
+use crate::speculative::dspark::DraftRequest;
 use candle_core::{Device, Var};
 
 use crate::testutil::{scratch_dir, tiny_target, HIDDEN, LAYERS, VOCAB};
@@ -299,7 +299,7 @@ fn gradients_match_finite_differences() {
 #[test]
 fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     let target = tiny_target();
-    let layers = crate::spec::dspark::default_target_layers(LAYERS, 3);
+    let layers = crate::speculative::dspark::default_target_layers(LAYERS, 3);
     let ds = synthetic_dataset(&target, &layers, 6, 40);
     let eval_loss = |dir: &Path| -> f32 {
         let d = DSparkDrafter::load(dir, &target).unwrap();

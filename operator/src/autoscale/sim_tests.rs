@@ -33,6 +33,7 @@ fn table(scale: f64) -> CostTable {
         .into_iter()
         .map(|(b, s)| (b, s * scale))
         .collect(),
+        draft_points: Vec::new(),
     }
 }
 

@@ -56,10 +56,19 @@ pub fn profiling_job(
         "--node-type".into(),
         pool.node_type.clone(),
     ];
+    // With a drafter, the table also carries its time per draft call (`draft_points`),
+    // which the dspark policy prices drafting with.
+    let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
+    if let Some(d) = &drafter {
+        args.extend(["--drafter".into(), d.path.clone()]);
+    }
     args.extend(dsd.spec.profiling.args.iter().cloned());
     let mut volumes: Vec<Volume> = Vec::new();
     let mut mounts = Vec::new();
-    if let Some((v, m)) = model.volume {
+    for (v, m) in std::iter::once(model.volume)
+        .chain(drafter.map(|d| d.volume))
+        .flatten()
+    {
         volumes.push(v);
         mounts.push(m);
     }
@@ -453,8 +462,19 @@ mod tests {
         let c = &pod.containers[0];
         assert_eq!(
             c.args.as_ref().unwrap().join(" "),
-            "profile --model /models/model/qwen3-8b --output /dev/termination-log --compact --node-type h100-80gb"
+            "profile --model /models/model/qwen3-8b --output /dev/termination-log --compact --node-type h100-80gb --drafter /models/drafter/qwen3-8b-dspark-b7"
         );
+        // The drafter is mounted like the model (read-only), so the table gets its
+        // draft times.
+        let mounts: Vec<&str> = c
+            .volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|m| m.mount_path.as_str())
+            .collect();
+        assert_eq!(mounts, ["/models/model", "/models/drafter"]);
+        assert_eq!(pod.volumes.as_ref().unwrap().len(), 2);
         assert_eq!(
             c.resources.as_ref().unwrap().limits.as_ref().unwrap()["nvidia.com/gpu"].0,
             "1"

@@ -95,7 +95,7 @@ fn draft(
     seqs: &[&Seq],
     params: &SamplingParams,
     seed: u64,
-) -> Vec<DraftBlock> {
+) -> Vec<Proposal> {
     let mut rngs: Vec<ChaCha8Rng> = seqs
         .iter()
         .map(|s| ChaCha8Rng::seed_from_u64(seed * 1000 + s.id))
@@ -144,7 +144,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-fn assert_blocks_close(a: &DraftBlock, b: &DraftBlock, tol: f32) {
+fn assert_blocks_close(a: &Proposal, b: &Proposal, tol: f32) {
     assert_eq!(a.tokens, b.tokens);
     for (qa, qb) in a.q.iter().zip(&b.q) {
         match (qa, qb) {
@@ -555,7 +555,7 @@ fn markov_head_conditions_on_the_previous_token_parallel_does_not() {
         let mut kv = cache(&d);
         let s = prime(&target, &d, &mut kv, 5, 10, GAMMA, 64);
         // Different seeds draw different tokens; q_k may depend on them only through the head.
-        let blocks: Vec<DraftBlock> = (0..6)
+        let blocks: Vec<Proposal> = (0..6)
             .map(|seed| draft(&d, &target, &mut kv, &[&s], &sampled(), seed).remove(0))
             .collect();
         let mut changed = false;
@@ -775,7 +775,7 @@ fn invalid_requests_are_clear_errors() {
 }
 
 /// Wall time of one propose on the real target (SmolLM2-135M, 1 drafter layer, gamma 7):
-/// `cargo test --release -p dspark-engine --lib spec::dspark::tests::propose_timing -- --ignored --nocapture`.
+/// `cargo test --release -p dspark-engine --lib speculative::dspark::tests::propose_timing -- --ignored --nocapture`.
 #[test]
 #[ignore = "needs the SmolLM2 GGUF; prints timings"]
 fn propose_timing_smollm2() {

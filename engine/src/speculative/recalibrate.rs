@@ -84,6 +84,15 @@ impl OnlineCalibration {
         &self.modes[greedy as usize].seen
     }
 
+    /// The calibrated confidence of position `k` (unchanged past the tracked positions).
+    pub fn adjust_one(&self, greedy: bool, k: usize, c: f32) -> f32 {
+        let m = &self.modes[greedy as usize];
+        match (m.scale.get(k), m.offset.get(k)) {
+            (Some(&s), Some(&o)) if s != 1.0 || o != 0.0 => sigmoid(s * logit(c) + o),
+            _ => c,
+        }
+    }
+
     /// Applies the scales and offsets to a block's confidences in place.
     pub fn adjust(&self, greedy: bool, confidence: &mut [f32]) {
         let m = &self.modes[greedy as usize];

@@ -7,6 +7,8 @@
 //! - [`scheduler`]: the hardware-aware prefix scheduler (`--policy dspark`).
 //! - [`recalibrate`]: online per-position scales and offsets on top of STS, learned from verify
 //!   outcomes (`serve --online-calibration`).
+//! - [`speculator`]: the component the step loop talks to (drafter, per-sequence drafting
+//!   state, the drafting plan, acceptance statistics, recalibration).
 //! - [`dspark`]: the DSpark drafter (parallel backbone on target features + sequential head
 //!   + confidence head); with no sequential head it is the DFlash-style parallel baseline.
 
@@ -14,6 +16,7 @@ pub mod dspark;
 pub mod ngram;
 pub mod recalibrate;
 pub mod scheduler;
+pub mod speculator;
 pub mod verify;
 
 use crate::sampling::Dist;
@@ -228,6 +231,14 @@ impl AcceptanceStats {
                 // Positions after the first rejection were not tried.
                 break;
             }
+        }
+    }
+
+    /// Decayed `(accepted, offered)` counts of position k.
+    pub fn counts(&self, k: usize) -> (f64, f64) {
+        match (self.accepted.get(k), self.offered.get(k)) {
+            (Some(&a), Some(&o)) => (a, o),
+            _ => (0.0, 0.0),
         }
     }
 

@@ -37,6 +37,8 @@ use crate::model::attention::{AttnSeq, PagedAttention};
 use crate::model::Linear;
 use crate::model::{Model, ModelConfig};
 use crate::sampling::{target_probs, Dist, SamplingParams};
+use crate::speculative::recalibrate::OnlineCalibration;
+pub use crate::speculative::Proposal;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -357,14 +359,16 @@ pub struct DraftRequest<'a> {
     pub last_context: Option<&'a Tensor>,
 }
 
-/// One drafted block: `tokens[k]` is the k-th token after the anchor, drawn from `q[k]` (a
-/// distribution over the FULL target vocabulary), and `confidence[k]` the (calibrated)
-/// probability that it passes verification given that all earlier ones did.
-#[derive(Debug, Clone)]
-pub struct DraftBlock {
-    pub tokens: Vec<u32>,
-    pub q: Vec<Dist>,
-    pub confidence: Vec<f32>,
+/// Options of [`DSparkDrafter::propose_with`].
+#[derive(Default, Clone, Copy)]
+pub struct ProposeOptions<'a> {
+    /// Stop a request's block once the running product of its confidences (its prefix
+    /// survival) falls below this: later positions cannot be worth verifying. 0: draft
+    /// every requested position.
+    pub min_survival: f32,
+    /// Online recalibration applied to each confidence as it is produced (so the early stop
+    /// and the returned block see the calibrated values).
+    pub calibration: Option<&'a OnlineCalibration>,
 }
 
 /// How a parameter is initialised by [`DSparkDrafter::random`].
@@ -481,6 +485,9 @@ pub struct DSparkDrafter {
     rope_sin: Tensor,
     eps: f32,
     device: Device,
+    /// Calls of [`DSparkDrafter::append_contexts`] and [`DSparkDrafter::propose_with`]
+    /// (the step loop's promise: a step that drafts nothing makes none).
+    calls: std::sync::atomic::AtomicU64,
 }
 
 /// Rows `rows` of a (possibly quantized) matrix; quantized rows are whole blocks, so this is a
@@ -740,11 +747,22 @@ impl DSparkDrafter {
             rope_cos,
             rope_sin,
             device: dev,
+            calls: Default::default(),
         })
     }
 
     pub fn config(&self) -> &DSparkConfig {
         &self.cfg
+    }
+
+    /// Context feeds and drafts run so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count_call(&self) {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Serving speed on CPU: re-quantises the backbone's matrices (fc and every layer) to
@@ -948,6 +966,7 @@ impl DSparkDrafter {
         kv: &mut KvCache,
         feeds: &[ContextFeed<'_>],
     ) -> Result<Vec<Option<Tensor>>> {
+        self.count_call();
         self.check_cache(kv)?;
         let layers = self.cfg.target_layer_ids.len();
         let mut positions: Vec<u32> = Vec::new();
@@ -1109,7 +1128,21 @@ impl DSparkDrafter {
         kv: &mut KvCache,
         target: &Model,
         reqs: &mut [DraftRequest<'_>],
-    ) -> Result<Vec<DraftBlock>> {
+    ) -> Result<Vec<Proposal>> {
+        self.propose_with(kv, target, reqs, &ProposeOptions::default())
+    }
+
+    /// [`DSparkDrafter::propose`] with an early stop and online calibration: a request whose
+    /// prefix survival falls below `opts.min_survival` gets a shorter block (its remaining
+    /// positions are not drafted, and the sequential loop ends when every request stopped).
+    pub fn propose_with(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        reqs: &mut [DraftRequest<'_>],
+        opts: &ProposeOptions<'_>,
+    ) -> Result<Vec<Proposal>> {
+        self.count_call();
         self.check_cache(kv)?;
         for r in reqs.iter() {
             if r.gamma == 0 || r.gamma > self.cfg.block_size {
@@ -1159,9 +1192,9 @@ impl DSparkDrafter {
             })
             .collect();
         let max_gamma = reqs.iter().map(|r| r.gamma).max().unwrap_or(0);
-        let mut blocks: Vec<DraftBlock> = reqs
+        let mut blocks: Vec<Proposal> = reqs
             .iter()
-            .map(|r| DraftBlock {
+            .map(|r| Proposal {
                 tokens: Vec::with_capacity(r.gamma),
                 q: Vec::with_capacity(r.gamma),
                 confidence: Vec::with_capacity(r.gamma),
@@ -1169,7 +1202,13 @@ impl DSparkDrafter {
             .collect();
         let mut prev: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
         let mut state = None;
+        // Per request: its block length so far may still grow, and its prefix survival.
+        let mut open: Vec<bool> = vec![true; reqs.len()];
+        let mut surv: Vec<f32> = vec![1.0; reqs.len()];
         for k in 0..max_gamma {
+            if !open.iter().zip(reqs.iter()).any(|(&o, r)| o && k < r.gamma) {
+                break;
+            }
             // Requests whose block is shorter repeat their last row; their results are unused.
             let rows: Vec<u32> = reqs
                 .iter()
@@ -1186,7 +1225,7 @@ impl DSparkDrafter {
                 _ => None,
             };
             for (i, r) in reqs.iter_mut().enumerate() {
-                if k >= r.gamma {
+                if k >= r.gamma || !open[i] {
                     continue;
                 }
                 let row = rows[i] as usize;
@@ -1202,13 +1241,26 @@ impl DSparkDrafter {
                     (Some(c), Some(zh)) => zh[row] + conf_e.as_ref().map_or(0.0, |e| e[i]) + c.bias,
                     _ => head::raw_logit(&logits, x),
                 };
-                let (t_k, b_k) = self.sts_for(matches!(q, Dist::Greedy(_)), k);
+                let greedy = matches!(q, Dist::Greedy(_));
+                let (t_k, b_k) = self.sts_for(greedy, k);
                 let (tok, q) = self.to_target_vocab(x, q);
+                let mut conf = sigmoid(z / t_k + b_k);
+                if let Some(oc) = opts.calibration {
+                    conf = oc.adjust_one(greedy, k, conf);
+                }
                 let blk = &mut blocks[i];
                 blk.tokens.push(tok);
                 blk.q.push(q);
-                blk.confidence.push(sigmoid(z / t_k + b_k));
+                blk.confidence.push(conf);
                 prev[i] = tok;
+                surv[i] *= if conf.is_nan() {
+                    0.0
+                } else {
+                    conf.clamp(0.0, 1.0)
+                };
+                if surv[i] < opts.min_survival {
+                    open[i] = false;
+                }
             }
         }
         Ok(blocks)

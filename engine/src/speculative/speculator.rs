@@ -1,0 +1,746 @@
+//! The speculation component of the step loop: it owns the drafter and its context KV cache,
+//! every sequence's drafting state, the drafting gate, the live acceptance statistics and the
+//! online recalibration. The step loop calls four methods on it:
+//!
+//! - [`Speculator::propose`]: decides who drafts ([`scheduler::plan_drafts`], draft time
+//!   priced from the cost table) and runs the drafter for them only;
+//! - [`Speculator::plan`]: the policy's verify lengths for the drafted blocks;
+//! - [`Speculator::commit`]: a sequence's forward outcome (its hidden states, how many fed
+//!   positions stay valid, the verify verdict);
+//! - [`Speculator::release`]: a sequence left (finished, cancelled, preempted).
+//!
+//! A step in which the plan drafts nothing runs no drafter code at all (counted by
+//! [`Speculator::drafter_calls`]): committed hidden-state rows wait per sequence and are
+//! written into the drafter cache by the next drafting call, whose measured time includes
+//! them. A backlog that grows past [`DETACH_ROWS`] (the drafter stayed off for that long) is
+//! dropped and that sequence decodes plainly to its end, so memory stays bounded.
+
+use super::dspark::{ContextFeed, DSparkDrafter, DraftRequest, ProposeOptions};
+use super::recalibrate::OnlineCalibration;
+use super::scheduler::{plan_drafts, predicted_survival};
+use super::{is_greedy, ngram, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
+use crate::cost::ActiveTable;
+use crate::kv::KvCache;
+use crate::metrics::{Metrics, ModePositionLabel, PositionLabel};
+use crate::model::Model;
+use crate::sampling::{Dist, SamplingParams};
+use anyhow::Result;
+use candle_core::Tensor;
+use rand_chacha::ChaCha8Rng;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A model drafter with its own context KV cache (fed with the target's hidden states).
+pub struct Drafter {
+    pub model: DSparkDrafter,
+    pub kv: KvCache,
+}
+
+/// Steps in a row without drafting after which one sequence drafts anyway (a probe), so the
+/// acceptance estimates keep up with the traffic. A probe drafts ONE sequence and is timed
+/// and counted like any draft.
+pub const DRAFT_PROBE: usize = 16;
+
+/// A held backlog this long (rows) is written into the drafter cache by the next drafting
+/// call even when its sequence does not draft then (piggybacked, at most
+/// [`FEED_ROWS_PER_CALL`] such rows per call).
+pub const FEED_BACKLOG_ROWS: usize = 2 * DRAFT_PROBE;
+/// Most piggybacked backlog rows per drafting call, so no single step pays a large feed.
+pub const FEED_ROWS_PER_CALL: usize = 256;
+/// A sequence whose backlog reaches this many rows loses its drafter context and decodes
+/// plainly until it ends.
+pub const DETACH_ROWS: usize = 1024;
+
+/// Half-life, in verified blocks, of a sequence's own acceptance memory.
+const OWN_HALF_LIFE: f64 = 8.0;
+/// Weight (pseudo-blocks) of the global rates in a sequence's predicted acceptance.
+const PRIOR_WEIGHT: f64 = 4.0;
+
+/// One decoding sequence of this step, as the step loop sees it.
+pub struct Candidate<'a> {
+    /// The engine's id of the sequence (stable while it runs).
+    pub id: u64,
+    /// All its tokens; the last is the anchor (not yet in the target cache).
+    pub tokens: &'a [u32],
+    /// Positions in the target's cache (`tokens.len() - 1` for a decoding sequence).
+    pub cached: usize,
+    /// Most draft tokens it may verify this step.
+    pub cap: usize,
+    pub params: &'a SamplingParams,
+    pub rng: &'a mut ChaCha8Rng,
+}
+
+/// The step's shape for the planner.
+#[derive(Debug, Clone, Copy)]
+pub struct StepShape {
+    /// Tokens the target forward holds anyway (pending tokens plus prefill).
+    pub base_b: usize,
+    /// Most tokens in one forward.
+    pub max_b: usize,
+}
+
+/// A sequence's verify outcome, for [`Speculator::commit`].
+pub struct Verified<'a> {
+    pub proposal: &'a Proposal,
+    pub accepted: usize,
+}
+
+/// One sequence's speculation state.
+struct SeqState {
+    /// Block table in the drafter's context cache.
+    draft_blocks: Vec<u32>,
+    /// The drafter's context feature of the last position fed (context-input drafters).
+    draft_ctx: Option<Tensor>,
+    /// Committed positions whose features are in the drafter cache
+    /// (`draft_fed + pending.rows` = the target's cached positions).
+    draft_fed: usize,
+    pending: PendingFeatures,
+    /// A deterministic draft that was not verified (n-gram, verify length 0), kept to be
+    /// checked against the tokens the target commits next: `(position of its first token,
+    /// tokens)`. For a point-mass draft the chance that the target's own token matches is
+    /// exactly the chance verification would have accepted it, so the live acceptance rates
+    /// stay honest while the scheduler is not verifying.
+    shadow: Option<(usize, Vec<u32>)>,
+    /// Lost its drafter context (backlog over [`DETACH_ROWS`]): never drafts again.
+    detached: bool,
+    /// This sequence's own recent acceptance.
+    own: AcceptanceStats,
+    /// Step counter value when it last drafted (probe order).
+    last_drafted: u64,
+}
+
+impl SeqState {
+    fn new(positions: usize) -> Self {
+        Self {
+            draft_blocks: Vec::new(),
+            draft_ctx: None,
+            draft_fed: 0,
+            pending: PendingFeatures::default(),
+            shadow: None,
+            detached: false,
+            own: AcceptanceStats::new(positions, OWN_HALF_LIFE),
+            last_drafted: 0,
+        }
+    }
+}
+
+/// Measured drafting time against the cost table's prediction.
+#[derive(Debug, Clone)]
+struct DraftClock {
+    /// Moving average of measured / predicted seconds (table present), so a machine that
+    /// got slower or faster since profiling is priced as it is now.
+    scale: f64,
+    /// Without table draft points: moving average of seconds per unit of
+    /// [`DraftClock::shape`], 0 until the first measurement.
+    per_unit: f64,
+}
+
+impl DraftClock {
+    /// Relative cost of a call without measured points: a fixed part plus one per token.
+    fn shape(n: usize, l: usize) -> f64 {
+        l as f64 * (1.0 + n as f64 / 4.0)
+    }
+
+    fn predict(&self, table: &ActiveTable, n: usize, l: usize) -> f64 {
+        if n == 0 || l == 0 {
+            return 0.0;
+        }
+        match table.table.draft_seconds(n as u32, l as u32) {
+            Some(t) => t * self.scale,
+            None => self.per_unit * Self::shape(n, l),
+        }
+    }
+
+    fn record(&mut self, table: &ActiveTable, n: usize, l: usize, secs: f64) {
+        if n == 0 || l == 0 || !secs.is_finite() {
+            return;
+        }
+        match table.table.draft_seconds(n as u32, l as u32) {
+            Some(t) if t > 0.0 => {
+                let r = (secs / t).clamp(0.25, 8.0);
+                self.scale = 0.9 * self.scale + 0.1 * r;
+            }
+            _ => {
+                let u = secs / Self::shape(n, l);
+                self.per_unit = if self.per_unit == 0.0 {
+                    u
+                } else {
+                    0.9 * self.per_unit + 0.1 * u
+                };
+            }
+        }
+    }
+}
+
+/// What the last [`Speculator::propose`] decided (for tests and the trace).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LastPlan {
+    /// Sequences that drafted.
+    pub drafted: usize,
+    /// It was a probe (the plan alone would not have drafted).
+    pub probe: bool,
+}
+
+pub struct Speculator {
+    kind: Speculation,
+    policy: VerifyPolicy,
+    drafter: Option<Drafter>,
+    seqs: HashMap<u64, SeqState>,
+    /// Live per-position acceptance over all sequences.
+    acceptance: AcceptanceStats,
+    recal: Option<OnlineCalibration>,
+    clock: DraftClock,
+    /// Steps in a row the plan drafted nobody.
+    skips_in_row: usize,
+    steps: u64,
+    /// Drafter calls already exported.
+    calls: u64,
+    last: LastPlan,
+    metrics: Arc<Metrics>,
+}
+
+impl Speculator {
+    /// `online_calibration`: SGD step of the recalibration (0: off), model drafters only.
+    pub fn new(
+        kind: Speculation,
+        policy: VerifyPolicy,
+        online_calibration: f32,
+        drafter: Option<Drafter>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        let recal = drafter
+            .as_ref()
+            .filter(|_| online_calibration > 0.0)
+            .map(|d| OnlineCalibration::new(d.model.config().block_size, online_calibration));
+        Self {
+            kind,
+            policy,
+            drafter,
+            seqs: HashMap::new(),
+            acceptance: AcceptanceStats::new(64, 200.0),
+            recal,
+            clock: DraftClock {
+                scale: 1.0,
+                per_unit: 0.0,
+            },
+            skips_in_row: 0,
+            steps: 0,
+            calls: 0,
+            last: LastPlan::default(),
+            metrics,
+        }
+    }
+
+    pub fn kind(&self) -> Speculation {
+        self.kind
+    }
+
+    pub fn policy(&self) -> &VerifyPolicy {
+        &self.policy
+    }
+
+    /// Target layers whose hidden states the drafter reads (empty: none needed).
+    pub fn hidden_layers(&self) -> Vec<usize> {
+        self.drafter
+            .as_ref()
+            .map(|d| d.model.target_layers().to_vec())
+            .unwrap_or_default()
+    }
+
+    /// Calls into drafter code so far (context feeds and drafts), as the drafter counts them.
+    pub fn drafter_calls(&self) -> u64 {
+        self.drafter.as_ref().map_or(0, |d| d.model.calls())
+    }
+
+    /// Exports the drafter's call count.
+    fn publish_calls(&mut self) {
+        let now = self.drafter_calls();
+        self.metrics.drafter_calls.inc_by(now - self.calls);
+        self.calls = now;
+    }
+
+    /// What the last [`Speculator::propose`] decided.
+    pub fn last_plan(&self) -> &LastPlan {
+        &self.last
+    }
+
+    /// Live conditional acceptance rate of position `k`.
+    pub fn acceptance_rate(&self, k: usize) -> f32 {
+        self.acceptance.rate(k)
+    }
+
+    /// Draft blocks for this step's decoding sequences (`None`: it decodes plainly). Model
+    /// drafters run once, batched, for the sequences the plan picks; the n-gram drafter
+    /// proposes for every sequence (it costs nothing). Proposals are not yet cut to verify
+    /// lengths (see [`Speculator::plan`]).
+    pub fn propose(
+        &mut self,
+        cands: &mut [Candidate<'_>],
+        target: &Model,
+        shape: StepShape,
+        table: &ActiveTable,
+    ) -> Result<Vec<Option<Proposal>>> {
+        self.steps += 1;
+        self.last = LastPlan::default();
+        let mut out: Vec<Option<Proposal>> = (0..cands.len()).map(|_| None).collect();
+        match self.kind {
+            Speculation::None => {}
+            Speculation::Ngram => {
+                let gamma = self.policy.gamma();
+                for (o, c) in out.iter_mut().zip(cands.iter()) {
+                    let g = gamma.min(c.cap);
+                    if g == 0 {
+                        continue;
+                    }
+                    let tokens = ngram::propose(c.tokens, g, 1, 3);
+                    if !tokens.is_empty() {
+                        *o = Some(Proposal {
+                            q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
+                            confidence: (0..tokens.len())
+                                .map(|k| self.acceptance.rate(k))
+                                .collect(),
+                            tokens,
+                        });
+                    }
+                }
+            }
+            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
+                let res = self.propose_with_model(cands, target, shape, table, &mut out);
+                self.publish_calls();
+                res?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Predicted conditional acceptance of sequence `id`'s positions: its own recent
+    /// outcomes, with the global rates as a prior of [`PRIOR_WEIGHT`] blocks.
+    fn predicted_rates(&self, id: u64, gamma: usize) -> Vec<f32> {
+        let own = self.seqs.get(&id).map(|s| &s.own);
+        (0..gamma)
+            .map(|k| {
+                let g = self.acceptance.rate(k) as f64;
+                match own {
+                    Some(o) => {
+                        let (a, n) = o.counts(k);
+                        ((a + PRIOR_WEIGHT * g) / (n + PRIOR_WEIGHT)) as f32
+                    }
+                    None => g as f32,
+                }
+            })
+            .collect()
+    }
+
+    fn propose_with_model(
+        &mut self,
+        cands: &mut [Candidate<'_>],
+        target: &Model,
+        shape: StepShape,
+        table: &ActiveTable,
+        out: &mut [Option<Proposal>],
+    ) -> Result<()> {
+        let Some(block) = self.drafter.as_ref().map(|d| d.model.config().block_size) else {
+            return Ok(());
+        };
+        let gamma_max = self.policy.gamma().min(block);
+        // Who may draft and how long.
+        let caps: Vec<usize> = cands
+            .iter()
+            .map(|c| {
+                let detached = self.seqs.get(&c.id).is_some_and(|s| s.detached);
+                if detached {
+                    0
+                } else {
+                    gamma_max.min(c.cap)
+                }
+            })
+            .collect();
+        if caps.iter().all(|&c| c == 0) {
+            return Ok(());
+        }
+        let mut gamma: Vec<usize> = caps.clone();
+        let mut min_survival = 0.0f32;
+        if matches!(self.policy, VerifyPolicy::Dspark { .. }) {
+            let predicted: Vec<Vec<f64>> = cands
+                .iter()
+                .zip(&caps)
+                .map(|(c, &cap)| predicted_survival(&self.predicted_rates(c.id, cap), cap))
+                .collect();
+            let clock = self.clock.clone();
+            let plan = plan_drafts(
+                &predicted,
+                shape.base_b,
+                shape.max_b,
+                &|b| table.sps(b),
+                &|n, l| clock.predict(table, n, l),
+            );
+            gamma = plan.gamma;
+            if gamma.iter().all(|&g| g == 0) {
+                self.skips_in_row += 1;
+                self.metrics.draft_skips.inc();
+                if self.skips_in_row < DRAFT_PROBE {
+                    return Ok(());
+                }
+                // Probe: the eligible sequence that drafted longest ago, full block.
+                let pick = (0..cands.len()).filter(|&i| caps[i] > 0).min_by_key(|&i| {
+                    (
+                        self.seqs.get(&cands[i].id).map_or(0, |s| s.last_drafted),
+                        cands[i].id,
+                    )
+                });
+                let Some(p) = pick else {
+                    return Ok(());
+                };
+                gamma[p] = caps[p];
+                self.last.probe = true;
+            }
+            self.skips_in_row = 0;
+            // The early stop: a draft token whose survival is below the cheapest marginal
+            // verify cost of this step can never be taken.
+            let r = cands.len() as f64;
+            let mut cheapest = f64::INFINITY;
+            for b in shape.base_b.max(1)..shape.max_b.max(shape.base_b.max(1) + 1) {
+                cheapest = cheapest.min(table.sps(b) / table.sps(b + 1) - 1.0);
+                if cheapest <= 0.0 {
+                    break;
+                }
+            }
+            min_survival = (r * cheapest.max(0.0)).min(1.0) as f32;
+        }
+        let d = self.drafter.as_mut().expect("checked");
+        // Blocks must cover the draft positions; a sequence the drafter cache cannot hold
+        // decodes without drafting this step.
+        for (i, c) in cands.iter().enumerate() {
+            if gamma[i] == 0 {
+                continue;
+            }
+            let st = self
+                .seqs
+                .entry(c.id)
+                .or_insert_with(|| SeqState::new(block));
+            if !d.kv.ensure(&mut st.draft_blocks, c.cached + gamma[i]) {
+                gamma[i] = 0;
+            }
+        }
+        let who: Vec<usize> = (0..cands.len()).filter(|&i| gamma[i] > 0).collect();
+        if who.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        // The drafter's context must reach each anchor: feed the held rows of the drafting
+        // sequences, and of long backlogs of the others within the per-call bound.
+        let mut feed: Vec<u64> = who.iter().map(|&i| cands[i].id).collect();
+        let mut extra = 0;
+        let mut backlogs: Vec<(usize, u64)> = self
+            .seqs
+            .iter()
+            .filter(|(id, s)| {
+                !s.detached && s.pending.rows >= FEED_BACKLOG_ROWS && !feed.contains(id)
+            })
+            .map(|(&id, s)| (s.pending.rows, id))
+            .collect();
+        backlogs.sort_unstable_by(|a, b| b.cmp(a));
+        for (rows, id) in backlogs {
+            if extra + rows > FEED_ROWS_PER_CALL {
+                continue;
+            }
+            extra += rows;
+            feed.push(id);
+        }
+        self.metrics.draft_steps.inc();
+        self.feed(&feed)?;
+        let d = self.drafter.as_mut().expect("checked");
+        let who: Vec<usize> = who
+            .into_iter()
+            .filter(|&i| {
+                self.seqs
+                    .get(&cands[i].id)
+                    .is_some_and(|s| s.pending.rows == 0 && s.draft_fed == cands[i].cached)
+            })
+            .collect();
+        if who.is_empty() {
+            return Ok(());
+        }
+        let seqs = &self.seqs;
+        let mut reqs: Vec<DraftRequest> = Vec::with_capacity(who.len());
+        let mut picked: Vec<&mut Candidate> = cands
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| who.contains(i))
+            .map(|(_, c)| c)
+            .collect();
+        for (c, &i) in picked.iter_mut().zip(&who) {
+            let st = &seqs[&c.id];
+            reqs.push(DraftRequest {
+                anchor: *c.tokens.last().expect("decoding sequences have tokens"),
+                anchor_pos: c.cached,
+                block_table: &st.draft_blocks,
+                gamma: gamma[i],
+                params: c.params,
+                rng: &mut *c.rng,
+                last_context: st.draft_ctx.as_ref(),
+            });
+        }
+        let opts = ProposeOptions {
+            min_survival,
+            calibration: self.recal.as_ref(),
+        };
+        let blocks = d.model.propose_with(&mut d.kv, target, &mut reqs, &opts)?;
+        drop(reqs);
+        let secs = t0.elapsed().as_secs_f64();
+        let l_run = who.iter().map(|&i| gamma[i]).max().unwrap_or(0);
+        self.clock.record(table, who.len(), l_run, secs);
+        self.last.drafted = who.len();
+        for (&i, b) in who.iter().zip(blocks) {
+            if let Some(st) = self.seqs.get_mut(&cands[i].id) {
+                st.last_drafted = self.steps;
+            }
+            if !b.tokens.is_empty() {
+                out[i] = Some(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the held rows of sequences `ids` into the drafter's context cache in one
+    /// batched call. A sequence the drafter cache cannot hold keeps its backlog.
+    fn feed(&mut self, ids: &[u64]) -> Result<()> {
+        let Some(d) = self.drafter.as_mut() else {
+            return Ok(());
+        };
+        let (mut fed, mut hidden) = (Vec::new(), Vec::new());
+        for id in ids {
+            let Some(s) = self.seqs.get_mut(id) else {
+                continue;
+            };
+            let upto = s.draft_fed + s.pending.rows;
+            if s.pending.rows == 0 || !d.kv.ensure(&mut s.draft_blocks, upto) {
+                continue;
+            }
+            hidden.push(s.pending.take()?);
+            fed.push(*id);
+        }
+        if fed.is_empty() {
+            return Ok(());
+        }
+        let feeds: Vec<ContextFeed> = fed
+            .iter()
+            .zip(&hidden)
+            .map(|(id, h)| {
+                let s = &self.seqs[id];
+                ContextFeed {
+                    table: &s.draft_blocks,
+                    start: s.draft_fed,
+                    hidden: h,
+                }
+            })
+            .collect();
+        let last = d.model.append_contexts(&mut d.kv, &feeds)?;
+        drop(feeds);
+        for ((id, h), c) in fed.iter().zip(&hidden).zip(last) {
+            let s = self.seqs.get_mut(id).expect("fed sequences exist");
+            s.draft_fed += h.first().map_or(0, |t| t.dim(0).unwrap_or(0));
+            if c.is_some() {
+                s.draft_ctx = c;
+            }
+        }
+        Ok(())
+    }
+
+    /// Verify lengths for this step's proposals (`caps[r]`: candidate r's most draft
+    /// tokens) under the policy and the cost table, proposals cut to them. An n-gram draft
+    /// the plan does not verify is kept as a shadow (see `SeqState::shadow`).
+    pub fn plan(
+        &mut self,
+        cands: &[(u64, usize, usize)],
+        mut proposals: Vec<Option<Proposal>>,
+        shape: StepShape,
+        table: &ActiveTable,
+    ) -> Vec<Option<Proposal>> {
+        if self.kind == Speculation::None || cands.is_empty() {
+            return proposals.into_iter().map(|_| None).collect();
+        }
+        let caps: Vec<usize> = cands.iter().map(|c| c.1).collect();
+        let props: Vec<Option<&Proposal>> = proposals.iter().map(Option::as_ref).collect();
+        let vp = self
+            .policy
+            .plan(&props, &caps, shape.base_b, shape.max_b, &|b| table.sps(b));
+        self.metrics.expected_tokens.inc_by(vp.expected_tau);
+        if let Some(t) = vp.theta {
+            self.metrics.theta.set(t);
+        }
+        let block = self
+            .drafter
+            .as_ref()
+            .map_or(self.policy.gamma(), |d| d.model.config().block_size);
+        for ((&(id, _, n_tokens), p), &l) in cands.iter().zip(proposals.iter_mut()).zip(&vp.lens) {
+            self.metrics.verify_len.observe(l as f64);
+            let Some(prop) = p.take() else {
+                continue;
+            };
+            if l > 0 {
+                *p = Some(prop.truncated(l));
+            } else if self.kind == Speculation::Ngram {
+                let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+                if st.shadow.is_none() {
+                    st.shadow = Some((n_tokens, prop.tokens));
+                }
+            }
+        }
+        proposals
+    }
+
+    /// One sequence's share of the forward: rows `first_row..first_row + valid` of `hidden`
+    /// are its positions that stay in the target cache (now `cached` positions), and, when it
+    /// verified a block, the verdict.
+    pub fn commit(
+        &mut self,
+        id: u64,
+        hidden: &[Tensor],
+        first_row: usize,
+        valid: usize,
+        cached: usize,
+        verified: Option<Verified<'_>>,
+    ) -> Result<()> {
+        let block = self
+            .drafter
+            .as_ref()
+            .map_or(self.policy.gamma(), |d| d.model.config().block_size);
+        if let Some(d) = self.drafter.as_mut() {
+            let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+            if !st.detached {
+                st.pending.push(hidden, first_row, valid)?;
+                d.kv.truncate(&mut st.draft_blocks, cached);
+                if st.pending.rows >= DETACH_ROWS {
+                    st.detached = true;
+                    st.pending = PendingFeatures::default();
+                    st.draft_ctx = None;
+                    d.kv.truncate(&mut st.draft_blocks, 0);
+                }
+            }
+        }
+        if let Some(v) = verified {
+            let drafted = v.proposal.tokens.len();
+            let accepted = v.accepted;
+            self.metrics.spec_drafts.inc();
+            self.metrics.spec_draft_tokens.inc_by(drafted as u64);
+            self.metrics.spec_accepted_tokens.inc_by(accepted as u64);
+            for pos in 0..accepted {
+                self.metrics
+                    .spec_accepted_per_pos
+                    .get_or_create(&PositionLabel {
+                        position: pos as u32,
+                    })
+                    .inc();
+            }
+            if let Some(oc) = &mut self.recal {
+                let greedy = is_greedy(&v.proposal.q);
+                oc.record(greedy, &v.proposal.confidence, accepted);
+                let mode = if greedy { "greedy" } else { "sampled" };
+                let params = oc.offsets(greedy).iter().zip(oc.scales(greedy));
+                for (k, (&off, &scale)) in params.enumerate().take(accepted + 1) {
+                    let label = ModePositionLabel {
+                        mode: mode.into(),
+                        position: k as u32,
+                    };
+                    let m = &self.metrics;
+                    m.calibration_offset.get_or_create(&label).set(off as f64);
+                    m.calibration_scale.get_or_create(&label).set(scale as f64);
+                }
+            }
+            self.record_acceptance(Some(id), drafted, accepted);
+        }
+        Ok(())
+    }
+
+    /// Sequence `id`'s tokens after this step's commit: scores a pending shadow draft once
+    /// they decide it.
+    pub fn observe(&mut self, id: u64, tokens: &[u32]) {
+        let Some(st) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let Some((start, draft)) = &st.shadow else {
+            return;
+        };
+        let known = tokens.len().saturating_sub(*start);
+        let matched = draft
+            .iter()
+            .zip(&tokens[(*start).min(tokens.len())..])
+            .take_while(|(a, b)| a == b)
+            .count();
+        if matched < known.min(draft.len()) {
+            // First mismatch at `matched`: positions 0..=matched were decided.
+            st.shadow = None;
+            self.record_acceptance(None, matched + 1, matched);
+        } else if matched == draft.len() {
+            let n = draft.len();
+            st.shadow = None;
+            self.record_acceptance(None, n, n);
+        }
+    }
+
+    /// Updates the live per-position acceptance rates (global, and the sequence's own) and
+    /// their gauges.
+    fn record_acceptance(&mut self, id: Option<u64>, verified: usize, accepted: usize) {
+        self.acceptance.record(verified, accepted);
+        if let Some(st) = id.and_then(|id| self.seqs.get_mut(&id)) {
+            st.own.record(verified, accepted);
+        }
+        for k in 0..verified.min(accepted + 1).min(16) {
+            self.metrics
+                .live_acceptance
+                .get_or_create(&PositionLabel { position: k as u32 })
+                .set(self.acceptance.rate(k) as f64);
+        }
+    }
+
+    /// Sequence `id` left the engine (or was preempted and starts over): frees its drafter
+    /// blocks and forgets its state.
+    pub fn release(&mut self, id: u64) {
+        if let Some(mut st) = self.seqs.remove(&id) {
+            if let Some(d) = self.drafter.as_mut() {
+                d.kv.truncate(&mut st.draft_blocks, 0);
+            }
+        }
+    }
+}
+
+/// Target hidden-state rows of committed positions not yet written into the drafter's
+/// context cache. Feeding waits for the next drafting call (one batched pass over every
+/// drafting sequence), so while the plan keeps the drafter off it costs these copies only.
+#[derive(Default)]
+struct PendingFeatures {
+    /// Per target layer, chunks of `[rows, hidden]` in position order.
+    layers: Vec<Vec<Tensor>>,
+    rows: usize,
+}
+
+impl PendingFeatures {
+    /// Keeps rows `first_row..first_row + n` of this step's hidden states (copied, so the
+    /// step's whole batch is not held).
+    fn push(&mut self, hidden: &[Tensor], first_row: usize, n: usize) -> Result<()> {
+        if n == 0 || hidden.is_empty() {
+            return Ok(());
+        }
+        if self.layers.is_empty() {
+            self.layers = vec![Vec::new(); hidden.len()];
+        }
+        for (chunks, h) in self.layers.iter_mut().zip(hidden) {
+            chunks.push(h.narrow(0, first_row, n)?.force_contiguous()?);
+        }
+        self.rows += n;
+        Ok(())
+    }
+
+    /// All held rows, one `[rows, hidden]` tensor per target layer; empties the backlog.
+    fn take(&mut self) -> Result<Vec<Tensor>> {
+        let out = self
+            .layers
+            .iter()
+            .map(|c| Tensor::cat(c, 0))
+            .collect::<candle_core::Result<_>>()?;
+        *self = Self::default();
+        Ok(out)
+    }
+}
