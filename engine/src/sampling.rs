@@ -35,12 +35,46 @@ impl SamplingParams {
     }
 }
 
-/// A processed distribution over the vocabulary: dense probabilities that sum to 1, or a
-/// point mass for greedy decoding.
+/// A processed distribution over the vocabulary: dense probabilities that sum to 1, a point
+/// mass for greedy decoding, or probabilities on a subset of the vocabulary (a drafter's
+/// reduced vocabulary: every other id has probability 0), which spares a full-vocabulary
+/// vector per drafted position.
 #[derive(Debug, Clone)]
 pub enum Dist {
     Greedy(u32),
     Probs(Vec<f32>),
+    Sparse {
+        vocab: std::sync::Arc<SubVocab>,
+        /// `probs[i]` is the probability of `vocab.ids[i]`.
+        probs: Vec<f32>,
+    },
+}
+
+/// A subset of the vocabulary: its ids and the reverse index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SubVocab {
+    pub ids: Vec<u32>,
+    /// Full-vocabulary id -> position in `ids` (`u32::MAX`: not in the subset).
+    index: Vec<u32>,
+}
+
+impl SubVocab {
+    /// `ids` (distinct, each below `vocab_size`).
+    pub fn new(ids: Vec<u32>, vocab_size: usize) -> Self {
+        let mut index = vec![u32::MAX; vocab_size];
+        for (i, &id) in ids.iter().enumerate() {
+            index[id as usize] = i as u32;
+        }
+        Self { ids, index }
+    }
+
+    /// Position of full-vocabulary id `id` in the subset.
+    pub fn position(&self, id: u32) -> Option<usize> {
+        match self.index.get(id as usize) {
+            Some(&i) if i != u32::MAX => Some(i as usize),
+            _ => None,
+        }
+    }
 }
 
 impl Dist {
@@ -48,6 +82,7 @@ impl Dist {
         match self {
             Dist::Greedy(t) => (*t == id) as u32 as f32,
             Dist::Probs(p) => p[id as usize],
+            Dist::Sparse { vocab, probs } => vocab.position(id).map_or(0.0, |i| probs[i]),
         }
     }
 
@@ -55,6 +90,22 @@ impl Dist {
         match self {
             Dist::Greedy(t) => *t,
             Dist::Probs(p) => sample_dense(p, rng),
+            Dist::Sparse { vocab, probs } => vocab.ids[sample_dense(probs, rng) as usize],
+        }
+    }
+
+    /// The probabilities over the whole vocabulary of `vocab_size` ids (`None` for greedy).
+    pub fn dense(&self, vocab_size: usize) -> Option<std::borrow::Cow<'_, [f32]>> {
+        match self {
+            Dist::Greedy(_) => None,
+            Dist::Probs(p) => Some(std::borrow::Cow::Borrowed(p)),
+            Dist::Sparse { vocab, probs } => {
+                let mut full = vec![0f32; vocab_size];
+                for (&id, &p) in vocab.ids.iter().zip(probs) {
+                    full[id as usize] = p;
+                }
+                Some(std::borrow::Cow::Owned(full))
+            }
         }
     }
 }

@@ -485,6 +485,8 @@ pub struct DSparkDrafter {
     rope_sin: Tensor,
     eps: f32,
     device: Device,
+    /// `draft_vocab` with its reverse index: draft distributions stay on it ([`Dist::Sparse`]).
+    sub_vocab: Option<Arc<crate::sampling::SubVocab>>,
     /// Calls of [`DSparkDrafter::append_contexts`] and [`DSparkDrafter::propose_with`]
     /// (the step loop's promise: a step that drafts nothing makes none).
     calls: std::sync::atomic::AtomicU64,
@@ -730,7 +732,12 @@ impl DSparkDrafter {
         let (rope_cos, rope_sin) =
             crate::model::rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
         let w1_index = cfg.w1_index();
+        let sub_vocab = cfg
+            .draft_vocab
+            .clone()
+            .map(|ids| Arc::new(crate::sampling::SubVocab::new(ids, cfg.vocab_size)));
         Ok(Self {
+            sub_vocab,
             fc: lin("fc.weight"),
             hidden_norm: p("hidden_norm.weight"),
             norm: p("norm.weight"),
@@ -1269,19 +1276,17 @@ impl DSparkDrafter {
     /// Maps a draft-vocabulary token and distribution to target ids (identity without a
     /// reduced vocabulary).
     fn to_target_vocab(&self, x: u32, q: Dist) -> (u32, Dist) {
-        let Some(vocab) = &self.cfg.draft_vocab else {
+        let Some(vocab) = &self.sub_vocab else {
             return (x, q);
         };
         let q = match q {
-            Dist::Greedy(t) => Dist::Greedy(vocab[t as usize]),
-            Dist::Probs(p) => {
-                let mut full = vec![0f32; self.cfg.vocab_size];
-                for (&id, &pr) in vocab.iter().zip(&p) {
-                    full[id as usize] = pr;
-                }
-                Dist::Probs(full)
-            }
+            Dist::Greedy(t) => Dist::Greedy(vocab.ids[t as usize]),
+            Dist::Probs(probs) => Dist::Sparse {
+                vocab: vocab.clone(),
+                probs,
+            },
+            sparse @ Dist::Sparse { .. } => sparse,
         };
-        (vocab[x as usize], q)
+        (vocab.ids[x as usize], q)
     }
 }

@@ -30,8 +30,8 @@ pub fn verify(draft: &[u32], q: &[Dist], p: &[Dist], rng: &mut ChaCha8Rng) -> Ve
         let pj = &p[j];
         let accept = match (pj, &q[j]) {
             (Dist::Greedy(t), _) => *t == y,
-            (Dist::Probs(pp), qj) => {
-                let py = pp[y as usize];
+            (pj, qj) => {
+                let py = pj.prob(y);
                 let qy = qj.prob(y);
                 qy > 0.0 && (py >= qy || rng.random::<f32>() * qy < py)
             }
@@ -52,6 +52,20 @@ pub fn verify(draft: &[u32], q: &[Dist], p: &[Dist], rng: &mut ChaCha8Rng) -> Ve
                     sample_dense(&residual, rng)
                 } else {
                     sample_dense(pp, rng)
+                }
+            }
+            // A target on a subset of the vocabulary (not produced by the engine today, but
+            // a valid law): the residual lives on the same subset.
+            (Dist::Sparse { vocab, probs }, qj) => {
+                let residual: Vec<f32> = probs
+                    .iter()
+                    .zip(&vocab.ids)
+                    .map(|(&x, &id)| (x - qj.prob(id)).max(0.0))
+                    .collect();
+                if residual.iter().sum::<f32>() > 0.0 {
+                    vocab.ids[sample_dense(&residual, rng) as usize]
+                } else {
+                    pj.sample(rng)
                 }
             }
         };
@@ -201,6 +215,27 @@ mod tests {
     fn sampling_is_lossless_with_a_bad_drafter() {
         let bad = Bigram::new(6, 999, 6.0); // unrelated and overconfident
         check_lossless("bad drafter", &|prev| bad.dist(prev), 4);
+    }
+
+    /// A drafter with a reduced vocabulary (ids 1, 3, 4 only), its law given sparsely as
+    /// the DSpark drafter's `draft_vocab` gives it: tokens outside it can only come from the
+    /// residual, and the output still follows the target.
+    #[test]
+    fn sampling_is_lossless_with_a_reduced_vocabulary_drafter() {
+        let close = Bigram::new(6, 11, 2.5);
+        let vocab = std::sync::Arc::new(crate::sampling::SubVocab::new(vec![1, 3, 4], 6));
+        check_lossless(
+            "reduced-vocabulary drafter",
+            &|prev| {
+                let full = &close.table[prev as usize];
+                let mass: f32 = vocab.ids.iter().map(|&i| full[i as usize]).sum();
+                Dist::Sparse {
+                    vocab: vocab.clone(),
+                    probs: vocab.ids.iter().map(|&i| full[i as usize] / mass).collect(),
+                }
+            },
+            3,
+        );
     }
 
     #[test]
