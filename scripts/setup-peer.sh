@@ -3,11 +3,16 @@
 # llama-cpp-python, entirely into a cache OUTSIDE the repository:
 #
 #   (a) pip-installs llama-cpp-python (Python bindings, used by tests/peer/reference.py),
-#       built from source with -DGGML_NATIVE=ON;
+#       built from source with -DGGML_NATIVE=ON (AMX off, see NOAMX below);
 #   (b) builds llama.cpp's llama-server, llama-bench and llama-batched-bench from the same
-#       version's sdist (vendor/llama.cpp) into $DSPARK_CACHE/llama.cpp/<version>/bin.
+#       version's sdist (vendor/llama.cpp) into $DSPARK_CACHE/llama.cpp/<version>/bin,
+#       with the same flags.
 #
 # Nothing from llama.cpp is ever written into the repository.
+#
+# A piece counts as built only if it was built with the current flags (stamp files) AND, when
+# a model is in $DSPARK_CACHE/models, a multi-token smoke eval through it succeeds; so a
+# re-run rebuilds a broken or stale build (e.g. one from before AMX was turned off).
 #
 # Builds run as ONE detached background job (setsid + nohup, `nice`d, logs under
 # $DSPARK_CACHE/llama.cpp/<version>/logs) so that a caller whose shell is time-limited can
@@ -37,18 +42,61 @@ JOBLOG="$LOGDIR/job.log"
 RCFILE="$LOGDIR/job.rc"
 TOOLS=(llama-server llama-bench llama-batched-bench)
 
+# AMX off. With -march=native on an AMX CPU (Sapphire Rapids and later) ggml compiles in its
+# AMX tile kernels (ggml-cpu/amx) and puts Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights into
+# an AMX buffer. With GCC 12 (Debian 12) those kernels are miscompiled: its _tile_loadconfig
+# (amxtileintrin.h) gives the asm an 8-byte "m" operand instead of the 64-byte tile config,
+# so the stores filling the config are dropped as dead, ldtilecfg loads stack garbage, #GP,
+# SIGSEGV in ggml_backend_amx_mul_mat on the first batch of more than one token (llama-cpp-
+# python's Llama.eval, llama-bench pp, llama-server prompts). -mno-amx-* keeps every other
+# native ISA extension (AVX-512, VNNI, BF16, ...), so builds on AMX and non-AMX machines run
+# the same kernels.
+NOAMX=""
+[[ "$(uname -m)" == x86_64 ]] && NOAMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_FLAGS=(-DGGML_NATIVE=ON)
+[[ -n "$NOAMX" ]] && CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=$NOAMX" "-DCMAKE_CXX_FLAGS=$NOAMX")
+# Stamps: what (a) and (b) were built with; a mismatch (or none) means rebuild.
+BUILD_ID="llama-cpp-python $V; ${CMAKE_FLAGS[*]}"
+PY_STAMP="$PEER/python.build"
+BIN_STAMP="$BIN/BUILD"
+
 log() { printf '[setup-peer %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
+# A small model for the smoke evals (Q4_1/Q4_K: types that go to ggml's extra CPU buffers),
+# or nothing when none has been fetched yet (then only version + stamp are checked).
+smoke_model() {
+  local m
+  for m in "$CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/models/gemma-3-270m-Q4_K_M.gguf"; do
+    [[ -s "$m" ]] && { printf '%s' "$m"; return 0; }
+  done
+  return 0
+}
+
 py_ok() {
-  "$PY" - "$V" <<'EOF' >/dev/null 2>&1
+  [[ "$(cat "$PY_STAMP" 2>/dev/null)" == "$BUILD_ID" ]] || return 1
+  # Separate process (in a silenced subshell, so bash's "Segmentation fault" notice stays out
+  # of the log): a crashing build exits with a signal, i.e. "not ok".
+  ( "$PY" - "$V" "$(smoke_model)" <<'EOF'
 import sys, llama_cpp
-sys.exit(0 if llama_cpp.__version__ == sys.argv[1] else 1)
+if llama_cpp.__version__ != sys.argv[1]:
+    sys.exit(1)
+if sys.argv[2]:
+    import numpy as np
+    llm = llama_cpp.Llama(model_path=sys.argv[2], n_ctx=64, n_batch=64, logits_all=True,
+                          n_threads=2, verbose=False)
+    t = llm.tokenize(b"The quick brown fox jumps over the lazy dog.", add_bos=True)
+    llm.eval(t)  # one multi-token batch, as tests/peer/reference.py does
+    sys.exit(0 if np.isfinite(llm.scores[:len(t)]).all() else 1)
 EOF
+  ) >/dev/null 2>&1
 }
 
 bins_ok() {
-  local t
+  local t m
+  [[ "$(cat "$BIN_STAMP" 2>/dev/null)" == "$BUILD_ID" ]] || return 1
   for t in "${TOOLS[@]}"; do [[ -x "$BIN/$t" ]] || return 1; done
+  m="$(smoke_model)"
+  [[ -z "$m" ]] || ( "$BIN/llama-bench" -m "$m" -t 2 -p 16 -n 0 -r 1 ) >/dev/null 2>&1 || return 1
   return 0
 }
 
@@ -76,17 +124,27 @@ job() {
   if py_ok; then
     log "(a) llama_cpp $V already importable; skipping pip install"
   else
-    log "(a) pip install llama-cpp-python==$V from source (GGML_NATIVE=ON, $JOBS jobs)"
+    log "(a) llama_cpp $V missing, built with other flags, or failing its smoke eval"
+    log "(a) pip install llama-cpp-python==$V from source (${CMAKE_FLAGS[*]}, $JOBS jobs)"
     local ta; ta=$(date +%s)
-    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-      nice -n 10 "$PY" -m pip install -v --no-binary llama-cpp-python "$SDIST"
-    py_ok || { log "(a) FAILED: llama_cpp $V not importable after install"; exit 1; }
+    rm -f "$PY_STAMP"
+    # Drop a broken/stale install first; --no-cache-dir: pip would otherwise reinstall the
+    # wheel it cached from an earlier build of this sdist, whatever CMAKE_ARGS say now.
+    if "$PY" -m pip show -q llama-cpp-python >/dev/null 2>&1; then
+      "$PY" -m pip uninstall -y llama-cpp-python
+    fi
+    # CMAKE_ARGS is shell-split by scikit-build-core: quote the multi-word flag values.
+    CMAKE_ARGS="$(printf '%q ' "${CMAKE_FLAGS[@]}")" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+      nice -n 10 "$PY" -m pip install -v --no-cache-dir --no-binary llama-cpp-python "$SDIST"
+    printf '%s\n' "$BUILD_ID" > "$PY_STAMP"
+    py_ok || { rm -f "$PY_STAMP"; log "(a) FAILED: llama_cpp $V not importable or smoke eval failed after install"; exit 1; }
     log "(a) done in $(( $(date +%s) - ta ))s"
   fi
 
   if bins_ok; then
     log "(b) ${TOOLS[*]} already in $BIN; skipping"
   else
+    log "(b) ${TOOLS[*]} missing, built with other flags, or failing their smoke run"
     local tb; tb=$(date +%s)
     if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
       log "(b) extracting $SDIST -> $SRC"
@@ -94,10 +152,12 @@ job() {
       tar xzf "$SDIST" -C "$SRC.tmp" --strip-components=1
       rm -rf "$SRC" && mv "$SRC.tmp" "$SRC"
     fi
-    log "(b) cmake configure"
+    log "(b) cmake configure (${CMAKE_FLAGS[*]})"
+    # Fresh build tree: the flags may have changed since the last one.
+    rm -rf "$BUILD"
     # UI off and no prebuilt-UI download: the build must not reach the network.
     nice -n 10 cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" \
-      -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+      -DCMAKE_BUILD_TYPE=Release "${CMAKE_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
       -DBUILD_SHARED_LIBS=OFF
@@ -105,7 +165,9 @@ job() {
     nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TOOLS[@]}"
     rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
     for t in "${TOOLS[@]}"; do cp "$BUILD/bin/$t" "$BIN.tmp/$t"; done
+    printf '%s\n' "$BUILD_ID" > "$BIN.tmp/BUILD"
     rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
+    bins_ok || { log "(b) FAILED: llama-bench smoke run failed"; exit 1; }
     log "(b) done in $(( $(date +%s) - tb ))s"
   fi
   log "job finished in $(( $(date +%s) - t0 ))s"
