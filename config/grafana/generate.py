@@ -220,6 +220,46 @@ def spec_board():
          "steps with the drafter skipped {{model_name}} {{pool}}")],
         description="Drafter skipped: steps where the dspark policy decoded plainly because the "
         "model drafter's live acceptance could not pay for its own time (probing every 16th step).")
+    b.panel("Drafting steps and drafter calls / s", [
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_draft_steps_total{{{ENGINE}}}[{RI}]))",
+         "drafting steps {{model_name}} {{pool}}"),
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_drafter_calls_total{{{ENGINE}}}[{RI}]))",
+         "drafter calls {{model_name}} {{pool}}")],
+        description="dspark_spec_decode_draft_steps_total: steps whose drafting plan ran the model "
+        "drafter (probes included); dspark_spec_decode_drafter_calls_total: context feeds and "
+        "drafts the drafter counted. A step that drafts nothing makes no call.")
+    b.row("Online policy experiment (serve --policy-experiment)")
+    b.panel("Committed tokens / s per arm (while in force)", [
+        (f"sum by (model_name, policy) (rate(dspark_experiment_tokens_total{{{ENGINE}}}[{RI}]))"
+         f" / sum by (model_name, policy) (rate(dspark_experiment_seconds_total{{{ENGINE}}}[{RI}]))",
+         "{{policy}}")], w=8,
+        description="dspark_experiment_tokens_total / dspark_experiment_seconds_total per arm: the "
+        "throughput each verify policy delivered in its own windows. Compare arms at matched load "
+        "(panel to the right); `dspark-engine experiment-report --url ...` gives the ratio with a "
+        "confidence interval from load-matched neighbouring windows.")
+    b.panel("Per-user tokens / s per arm", [
+        (f"sum by (model_name, policy) (rate(dspark_experiment_tokens_total{{{ENGINE}}}[{RI}]))"
+         f" / sum by (model_name, policy) (rate(dspark_experiment_running_seconds_total{{{ENGINE}}}[{RI}]))",
+         "{{policy}}")], w=8,
+        description="Tokens per running request-second (dspark_experiment_running_seconds_total "
+        "integrates the running requests over time).")
+    b.panel("Load per arm (mean running requests)", [
+        (f"sum by (model_name, policy) (rate(dspark_experiment_running_seconds_total{{{ENGINE}}}[{RI}]))"
+         f" / sum by (model_name, policy) (rate(dspark_experiment_seconds_total{{{ENGINE}}}[{RI}]))",
+         "{{policy}}")], w=8, decimals=2)
+    b.panel("TTFT p50 / p95 per arm", [
+        (f"histogram_quantile(0.5, sum by (policy, le) (rate(dspark_experiment_time_to_first_token_seconds_bucket{{{ENGINE}}}[{RI}])))",
+         "p50 {{policy}}"),
+        (f"histogram_quantile(0.95, sum by (policy, le) (rate(dspark_experiment_time_to_first_token_seconds_bucket{{{ENGINE}}}[{RI}])))",
+         "p95 {{policy}}")], unit="s")
+    b.panel("ITL p50 / p95 per arm", [
+        (f"histogram_quantile(0.5, sum by (policy, le) (rate(dspark_experiment_inter_token_latency_seconds_bucket{{{ENGINE}}}[{RI}])))",
+         "p50 {{policy}}"),
+        (f"histogram_quantile(0.95, sum by (policy, le) (rate(dspark_experiment_inter_token_latency_seconds_bucket{{{ENGINE}}}[{RI}])))",
+         "p95 {{policy}}")], unit="s")
+    b.panel("Arm in force", [
+        (f"max by (policy) (dspark_experiment_active{{{ENGINE}}}) == 1", "{{policy}}")],
+        kind="state-timeline", w=8)
     b.row("Verify budget vs load")
     b.panel("Verify length per request (mean, p95) vs requests running", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_verify_length_sum{{{ENGINE}}}[{RI}]))"

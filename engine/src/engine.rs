@@ -7,7 +7,9 @@
 //! When the cache runs out of blocks, the youngest sequence is preempted and recomputed later.
 
 use crate::cost::CostTables;
+use crate::experiment::{Arm, Experiment, Window};
 use crate::kv::KvCache;
+use crate::metrics::ExperimentMetrics;
 use crate::metrics::{FinishLabel, Metrics};
 use crate::model::{Model, SeqBatch};
 use crate::sampling::{logprobs, target_probs, Dist, SamplingParams};
@@ -42,6 +44,9 @@ pub struct EngineConfig {
     /// Step of the online recalibration of a model drafter's confidences (0: off): see
     /// [`crate::speculative::recalibrate`].
     pub online_calibration: f32,
+    /// The online policy experiment: arms alternated every window
+    /// ([`crate::experiment`]); `policy` is unused then.
+    pub experiment: Option<(Vec<Arm>, Duration)>,
 }
 
 impl Default for EngineConfig {
@@ -54,6 +59,7 @@ impl Default for EngineConfig {
             speculation: Speculation::None,
             policy: VerifyPolicy::Fixed { gamma: 4 },
             online_calibration: crate::speculative::recalibrate::DEFAULT_STEP,
+            experiment: None,
         }
     }
 }
@@ -203,6 +209,7 @@ pub struct Engine {
     /// The SPS(B) table the scheduler reads (one snapshot per step).
     costs: Arc<CostTables>,
     next_id: u64,
+    experiment: Option<Experiment>,
 }
 
 impl Engine {
@@ -223,30 +230,74 @@ impl Engine {
             running: running.clone(),
             max_waiting: cfg.max_waiting,
         };
-        (
-            Self {
-                model,
-                tok,
-                kv,
-                rx,
-                waiting: VecDeque::new(),
-                running: Vec::new(),
-                waiting_count: waiting,
-                running_count: running,
-                spec: Speculator::new(
-                    cfg.speculation,
-                    cfg.policy.clone(),
-                    cfg.online_calibration,
-                    None,
-                    metrics.clone(),
-                ),
-                cfg,
-                metrics,
-                costs,
-                next_id: 0,
-            },
-            handle,
-        )
+        let mut engine = Self {
+            model,
+            tok,
+            kv,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            waiting_count: waiting,
+            running_count: running,
+            spec: Speculator::new(
+                cfg.speculation,
+                cfg.policy.clone(),
+                cfg.online_calibration,
+                None,
+                metrics.clone(),
+            ),
+            cfg,
+            metrics,
+            costs,
+            next_id: 0,
+            experiment: None,
+        };
+        if let Some((arms, window)) = engine.cfg.experiment.clone() {
+            engine.experiment = Some(Experiment::new(arms, window, Instant::now()));
+            engine.apply_arm();
+        }
+        (engine, handle)
+    }
+
+    /// Puts the experiment's current arm in force (policy, `active` gauges).
+    fn apply_arm(&mut self) {
+        let Some(e) = &self.experiment else {
+            return;
+        };
+        let arm = e.arm().clone();
+        for a in &e.arms {
+            self.metrics
+                .experiment
+                .active
+                .get_or_create(&ExperimentMetrics::label(&a.label))
+                .set((a.label == arm.label) as i64);
+        }
+        self.spec.set_policy(arm.policy);
+    }
+
+    /// The experiment's finished windows (`GET /experiment`), when one runs.
+    pub fn experiment_log(&self) -> Option<Arc<std::sync::Mutex<Vec<Window>>>> {
+        self.experiment.as_ref().map(|e| e.log.clone())
+    }
+
+    /// Advances the experiment clock by one step and switches arms at a window's end.
+    fn experiment_tick(&mut self) {
+        let running = self.running.len();
+        let Some(e) = &mut self.experiment else {
+            return;
+        };
+        let before = ExperimentMetrics::label(&e.arm().label);
+        let (dt, switched) = e.tick(Instant::now(), running);
+        let switched = switched.is_some();
+        let m = &self.metrics.experiment;
+        m.seconds.get_or_create(&before).inc_by(dt);
+        m.running_seconds
+            .get_or_create(&before)
+            .inc_by(dt * running as f64);
+        if switched {
+            m.windows.get_or_create(&before).inc();
+            self.apply_arm();
+        }
     }
 
     /// Attaches the model drafter used by `parallel` / `dspark-*` speculation.
@@ -258,6 +309,7 @@ impl Engine {
             Some(drafter),
             self.metrics.clone(),
         );
+        self.apply_arm();
         self
     }
 
@@ -344,6 +396,7 @@ impl Engine {
         while let Ok(r) = self.rx.try_recv() {
             self.enqueue(r);
         }
+        self.experiment_tick();
         // Clients that went away free their blocks now.
         let mut i = 0;
         while i < self.running.len() {
@@ -566,7 +619,7 @@ impl Engine {
             let valid = sb.tokens.len() - drafted + accepted;
             s.cached += valid;
             self.kv.truncate(&mut s.blocks, s.cached);
-            if pl.decoding && self.cfg.speculation != Speculation::None {
+            if pl.decoding && self.spec.kind() != Speculation::None {
                 self.metrics.committed_tokens.inc_by(commit.len() as u64);
             }
             if drafted > 0 {
@@ -586,7 +639,7 @@ impl Engine {
                 }),
             )?;
             let s = &mut self.running[i];
-            if pl.decoding && self.cfg.speculation != Speculation::None {
+            if pl.decoding && self.spec.kind() != Speculation::None {
                 tracing::info!(
                     target: TRACE_TARGET,
                     parent: &s.phase,
@@ -642,16 +695,32 @@ impl Engine {
         let now = Instant::now();
         let tokz = self.tok.clone();
         let s = &mut self.running[i];
+        let arm = self.experiment.as_mut().map(|e| {
+            e.tokens(1);
+            ExperimentMetrics::label(&e.arm().label)
+        });
+        let em = &self.metrics.experiment;
+        if let Some(a) = &arm {
+            em.tokens.get_or_create(a).inc();
+        }
         match gap {
             None if s.last_token.is_none() => {
                 let t = (now - s.req.arrived).as_secs_f64();
                 self.metrics.ttft.observe(t);
+                if let Some(a) = &arm {
+                    em.ttft.get_or_create(a).observe(t);
+                }
                 let g = &self.metrics.genai;
                 g.ttft.record(t, &g.attrs(s.req.operation));
                 s.enter_phase("decode");
             }
             None => {}
-            Some(g) => self.metrics.itl.observe(g),
+            Some(g) => {
+                self.metrics.itl.observe(g);
+                if let Some(a) = &arm {
+                    em.itl.get_or_create(a).observe(g);
+                }
+            }
         }
         if s.first_token.is_none() {
             s.first_token = Some(now);
@@ -711,6 +780,9 @@ impl Engine {
 
     fn finish(&mut self, s: &mut Seq, reason: FinishReason) {
         self.release(s);
+        if let Some(e) = &mut self.experiment {
+            e.finished();
+        }
         let e2e = s.req.arrived.elapsed().as_secs_f64();
         self.metrics.e2e.observe(e2e);
         let g = &self.metrics.genai;

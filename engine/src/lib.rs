@@ -6,7 +6,8 @@
 //! the paged KV cache ([`kv`]), sampling ([`sampling`]), the continuous-batching step loop
 //! ([`engine`]), speculative decoding ([`speculative`]: drafters, the drafting plan and the
 //! verify scheduler, lossless verification, behind one `Speculator` the step loop calls),
-//! the SPS(B) and draft-time cost table in force ([`cost`]) and its measurement
+//! the online policy experiment ([`experiment`]), the SPS(B) and draft-time cost table in
+//! force ([`cost`]) and its measurement
 //! ([`profile`]), drafter training and evaluation ([`train`]), process wiring ([`runtime`]),
 //! the OpenAI-compatible HTTP API ([`server`]) and its metrics ([`metrics`]). Cost-table
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
@@ -17,6 +18,7 @@
 pub mod chat;
 pub mod cost;
 pub mod engine;
+pub mod experiment;
 pub mod kernels;
 pub mod kv;
 pub mod metrics;

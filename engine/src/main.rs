@@ -32,6 +32,32 @@ enum Cmd {
     Eval(dspark_engine::train::cli::EvalArgs),
     /// Rewrite a drafter checkpoint (e.g. --compact-w1).
     Convert(dspark_engine::train::cli::ConvertArgs),
+    /// Summarise an online policy experiment (serve --policy-experiment): per-arm
+    /// throughput, per-user rate and load, and each arm's throughput ratio over the baseline
+    /// from load-matched neighbouring windows with a 95 % confidence interval.
+    ExperimentReport(ReportArgs),
+}
+
+#[derive(clap::Args)]
+struct ReportArgs {
+    /// A serving engine's base URL (reads GET /experiment)...
+    #[arg(long, conflicts_with = "file")]
+    url: Option<String>,
+    /// ...or a saved copy of that JSON.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// The arm the others are compared with.
+    #[arg(long, default_value = "none")]
+    baseline: String,
+    /// Most relative difference of mean load (running requests) between paired windows.
+    #[arg(long, default_value_t = 0.25)]
+    load_tolerance: f64,
+    /// Windows dropped at the start (warm-up).
+    #[arg(long, default_value_t = 1)]
+    skip: usize,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -147,6 +173,15 @@ struct ServeArgs {
     /// calibration data.
     #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
     online_calibration: f32,
+    /// Online on/off experiment: alternate these verify policies on live traffic, one per
+    /// window (comma list of dspark, none, fixed:G, threshold:T; e.g. dspark,none). Needs a
+    /// drafter (--speculation). Results: /metrics (dspark_experiment_*), GET /experiment,
+    /// `dspark-engine experiment-report`.
+    #[arg(long, env = "DSPARK_POLICY_EXPERIMENT")]
+    policy_experiment: Option<String>,
+    /// Seconds per experiment window.
+    #[arg(long, env = "DSPARK_EXPERIMENT_WINDOW", default_value_t = 30.0)]
+    experiment_window: f64,
     /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.
     /// Without one the built-in conservative default is used until one is pushed.
     #[arg(long, env = "DSPARK_COST_TABLE")]
@@ -180,7 +215,67 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Calibrate(a) => dspark_engine::train::cli::run_calibrate(a),
         Cmd::Eval(a) => dspark_engine::train::cli::run_eval(a),
         Cmd::Convert(a) => dspark_engine::train::cli::run_convert(a),
+        Cmd::ExperimentReport(a) => experiment_report(a),
     }
+}
+
+fn experiment_report(a: ReportArgs) -> Result<()> {
+    use dspark_engine::experiment::{report, Window};
+    let text = match (&a.url, &a.file) {
+        (Some(u), _) => {
+            let url = format!("{}/experiment", u.trim_end_matches('/'));
+            let r = reqwest::blocking::get(&url).with_context(|| format!("cannot reach {url}"))?;
+            let code = r.status();
+            let body = r.text()?;
+            anyhow::ensure!(code.is_success(), "{url}: HTTP {code}: {body}");
+            body
+        }
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?
+        }
+        (None, None) => anyhow::bail!("give --url URL (a serving engine) or --file FILE"),
+    };
+    #[derive(serde::Deserialize)]
+    struct Doc {
+        windows: Vec<Window>,
+    }
+    let doc: Doc = serde_json::from_str(&text).context("not an /experiment document")?;
+    let r = report(&doc.windows, &a.baseline, a.load_tolerance, a.skip);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    println!(
+        "{} windows ({} skipped as warm-up)\n",
+        doc.windows.len(),
+        a.skip.min(doc.windows.len())
+    );
+    println!("| arm | windows | committed tok/s | per-user tok/s | mean running |");
+    println!("|---|---:|---:|---:|---:|");
+    for s in &r.arms {
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {:.2} |",
+            s.arm, s.windows, s.throughput, s.per_user, s.load
+        );
+    }
+    println!(
+        "\n| arm / {} | load-matched pairs | throughput ratio | 95 % CI | per-user ratio |",
+        a.baseline
+    );
+    println!("|---|---:|---:|---|---:|");
+    for c in &r.comparisons {
+        let ci = c
+            .ci95
+            .map_or("-".to_string(), |(lo, hi)| format!("{lo:.3} - {hi:.3}"));
+        println!(
+            "| {} | {} | {:.3} | {} | {:.3} |",
+            c.arm, c.pairs, c.ratio, ci, c.per_user_ratio
+        );
+    }
+    if r.comparisons.is_empty() {
+        println!("(no load-matched window pairs with '{}' yet)", a.baseline);
+    }
+    Ok(())
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
@@ -211,6 +306,23 @@ fn serve(a: ServeArgs) -> Result<()> {
         "--threshold must be in [0, 1], got {}",
         a.threshold
     );
+    let experiment = match &a.policy_experiment {
+        None => None,
+        Some(spec) => {
+            anyhow::ensure!(
+                speculation != Speculation::None,
+                "--policy-experiment compares verify policies of a drafter: give --speculation (and --drafter)"
+            );
+            anyhow::ensure!(
+                a.experiment_window.is_finite() && a.experiment_window >= 1.0,
+                "--experiment-window must be at least 1 second, got {}",
+                a.experiment_window
+            );
+            let arms = dspark_engine::experiment::parse_arms(spec, a.gamma)
+                .map_err(|e| anyhow::anyhow!("--policy-experiment: {e}"))?;
+            Some((arms, Duration::from_secs_f64(a.experiment_window)))
+        }
+    };
     let admin_token = match (a.admin_port, &a.admin_token_file) {
         (None, _) => None,
         (Some(_), Some(f)) => Some(dspark_engine::server::admin::read_token(f)?),
@@ -240,6 +352,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             speculation,
             policy,
             online_calibration: a.online_calibration,
+            experiment,
         },
         show_progress: true,
         drafter: a.drafter.clone(),

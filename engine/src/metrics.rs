@@ -26,6 +26,35 @@ pub struct ModePositionLabel {
     pub position: u32,
 }
 
+/// The arm of the online policy experiment (`serve --policy-experiment`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabel {
+    pub policy: String,
+}
+
+/// Per-arm series of the online policy experiment.
+#[derive(Clone)]
+pub struct ExperimentMetrics {
+    /// 1 for the arm in force, 0 for the others.
+    pub active: Family<PolicyLabel, Gauge>,
+    pub tokens: Family<PolicyLabel, Counter>,
+    pub seconds: Family<PolicyLabel, Counter<f64, AtomicU64>>,
+    /// Integral of running requests over time (request-seconds).
+    pub running_seconds: Family<PolicyLabel, Counter<f64, AtomicU64>>,
+    pub windows: Family<PolicyLabel, Counter>,
+    pub ttft: Family<PolicyLabel, Histogram, fn() -> Histogram>,
+    pub itl: Family<PolicyLabel, Histogram, fn() -> Histogram>,
+}
+
+impl ExperimentMetrics {
+    /// The label for `arm`.
+    pub fn label(arm: &str) -> PolicyLabel {
+        PolicyLabel {
+            policy: arm.to_string(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabel {
     pub source: String,
@@ -122,6 +151,11 @@ pub struct Metrics {
     pub live_acceptance: Family<PositionLabel, Gauge<f64, AtomicU64>>,
     pub calibration_offset: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
     pub calibration_scale: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
+    pub experiment: ExperimentMetrics,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -175,6 +209,15 @@ impl Metrics {
             live_acceptance: Family::default(),
             calibration_offset: Family::default(),
             calibration_scale: Family::default(),
+            experiment: ExperimentMetrics {
+                active: Family::default(),
+                tokens: Family::default(),
+                seconds: Family::default(),
+                running_seconds: Family::default(),
+                windows: Family::default(),
+                ttft: Family::new_with_constructor(latency_histogram),
+                itl: Family::new_with_constructor(latency_histogram),
+            },
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -332,6 +375,42 @@ impl Metrics {
             "dspark_spec_decode_calibration_scale",
             "Online scale on the logit of the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
             m.calibration_scale.clone(),
+        );
+        let e = &m.experiment;
+        r.register(
+            "dspark_experiment_active",
+            "1 for the policy experiment's arm in force (serve --policy-experiment)",
+            e.active.clone(),
+        );
+        r.register(
+            "dspark_experiment_tokens",
+            "Tokens committed to requests while each experiment arm was in force",
+            e.tokens.clone(),
+        );
+        r.register(
+            "dspark_experiment_seconds",
+            "Wall seconds each experiment arm was in force",
+            e.seconds.clone(),
+        );
+        r.register(
+            "dspark_experiment_running_seconds",
+            "Integral of running requests over time per experiment arm (tokens / this = per-user tok/s; this / seconds = mean load)",
+            e.running_seconds.clone(),
+        );
+        r.register(
+            "dspark_experiment_windows",
+            "Finished experiment windows per arm",
+            e.windows.clone(),
+        );
+        r.register(
+            "dspark_experiment_time_to_first_token_seconds",
+            "Time to first token of tokens emitted under each experiment arm",
+            e.ttft.clone(),
+        );
+        r.register(
+            "dspark_experiment_inter_token_latency_seconds",
+            "Inter-token latency under each experiment arm",
+            e.itl.clone(),
         );
         Metrics { registry, ..m }
     }

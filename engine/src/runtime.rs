@@ -306,10 +306,17 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     if let Some(p) = &opts.cost_table {
         costs.watch_file(p, std::time::Duration::from_secs(1))?;
     } else if opts.startup_profile
-        && matches!(
+        && (matches!(
             opts.engine.policy,
             crate::speculative::VerifyPolicy::Dspark { .. }
-        )
+        ) || opts.engine.experiment.as_ref().is_some_and(|(arms, _)| {
+            arms.iter().any(|a| {
+                matches!(
+                    a.policy,
+                    Some(crate::speculative::VerifyPolicy::Dspark { .. })
+                )
+            })
+        }))
     {
         startup_profile(
             &model,
@@ -333,6 +340,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     if let Some(d) = drafter {
         engine = engine.with_drafter(d);
     }
+    let experiment = engine.experiment_log();
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || engine.run())?;
@@ -342,7 +350,16 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         device: device_name(&model.device),
         costs,
         speculation: opts.engine.speculation.name().to_string(),
-        policy: opts.engine.policy.name().to_string(),
+        policy: match &opts.engine.experiment {
+            Some((arms, _)) => format!(
+                "experiment:{}",
+                arms.iter()
+                    .map(|a| a.label.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+            None => opts.engine.policy.name().to_string(),
+        },
         tok,
         template,
         engine: handle,
@@ -357,6 +374,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         ready_details: std::sync::RwLock::new(serde_json::json!({
             "gamma": opts.engine.policy.gamma(),
         })),
+        experiment,
     });
     Ok((state, summary))
 }

@@ -53,15 +53,14 @@ fn run_with(
     drafter: Option<std::path::PathBuf>,
     online: f32,
 ) -> (Vec<(String, usize, usize, usize)>, String) {
-    run_with_table(
+    let cfg = EngineConfig {
         speculation,
         policy,
-        prompts,
-        max_tokens,
-        drafter,
-        online,
-        None,
-    )
+        online_calibration: online,
+        ..Default::default()
+    };
+    let (r, m, _) = run_cfg(cfg, prompts, max_tokens, drafter, None);
+    (r, m)
 }
 
 /// A cost table for the served model: `sps(B)` at B = 1, 2, 4, ... 1024 and a draft time of
@@ -84,16 +83,21 @@ fn table_json(model_id: &str, sps: impl Fn(f64) -> f64, draft_ms: f64) -> String
     .to_string()
 }
 
-/// [`run_with`], with the cost table `table(model_id)` installed before any request.
-fn run_with_table(
-    speculation: Speculation,
-    policy: VerifyPolicy,
+type Outputs = Vec<(String, usize, usize, usize)>;
+
+/// [`run_with`] with the cost table `table(model_id)` installed before any request and the
+/// given engine config (its batch bound raised to 1024); also returns the app state.
+fn run_cfg(
+    cfg: EngineConfig,
     prompts: &[String],
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
-    online: f32,
     table: Option<&dyn Fn(&str) -> String>,
-) -> (Vec<(String, usize, usize, usize)>, String) {
+) -> (
+    Outputs,
+    String,
+    std::sync::Arc<dspark_engine::server::AppState>,
+) {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -104,11 +108,8 @@ fn run_with_table(
         kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(1024),
         engine: EngineConfig {
-            speculation,
-            policy,
             max_batch_tokens: 1024,
-            online_calibration: online,
-            ..Default::default()
+            ..cfg
         },
         show_progress: false,
         drafter,
@@ -169,7 +170,8 @@ fn run_with_table(
             }
         })
         .collect();
-    (results, state.metrics.render())
+    let m = state.metrics.render();
+    (results, m, state)
 }
 
 /// Plain decoding of the test prompts (computed once per test binary).
@@ -327,13 +329,16 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
     );
     let policy = VerifyPolicy::Dspark { gamma: 4 };
     let steep = |id: &str| table_json(id, |b| 100.0 / b, 1.0);
-    let (spec, m) = run_with_table(
-        Speculation::DSparkMarkov,
-        policy.clone(),
+    let cfg = |policy: VerifyPolicy| EngineConfig {
+        speculation: Speculation::DSparkMarkov,
+        policy,
+        ..Default::default()
+    };
+    let (spec, m, _) = run_cfg(
+        cfg(policy.clone()),
         &prompts,
         max_tokens,
         Some(shipped_drafter()),
-        0.05,
         Some(&steep),
     );
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
@@ -360,13 +365,11 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
     assert!(calls >= drafting);
 
     let flat = |id: &str| table_json(id, |_| 100.0, 0.01);
-    let (spec, m) = run_with_table(
-        Speculation::DSparkMarkov,
-        policy,
+    let (spec, m, _) = run_cfg(
+        cfg(policy),
         &prompts,
         max_tokens,
         Some(shipped_drafter()),
-        0.05,
         Some(&flat),
     );
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
@@ -382,4 +385,73 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
         drafting > 4.0 * skipped.max(1.0),
         "{drafting} drafting vs {skipped} skipped steps"
     );
+}
+
+/// The online experiment alternates its arms in windows between steps, exports every arm's
+/// series and lists the windows, and the output stays the target's (temperature 0) whichever
+/// arm was in force at each step.
+#[test]
+fn policy_experiment_alternates_arms_losslessly() {
+    let prompts: Vec<String> = prompts().into_iter().take(24).collect();
+    let max_tokens = 64;
+    let plain = run(
+        Speculation::None,
+        VerifyPolicy::Fixed { gamma: 1 },
+        &prompts,
+        max_tokens,
+        None,
+    );
+    let arms = dspark_engine::experiment::parse_arms("dspark,none,fixed:3", 4).unwrap();
+    let cfg = EngineConfig {
+        speculation: Speculation::DSparkMarkov,
+        policy: VerifyPolicy::Fixed { gamma: 4 },
+        experiment: Some((arms, std::time::Duration::from_millis(250))),
+        ..Default::default()
+    };
+    let flat = |id: &str| table_json(id, |b| 100.0 / (1.0 + (b - 1.0) / 16.0), 0.2);
+    let (spec, m, state) = run_cfg(
+        cfg,
+        &prompts,
+        max_tokens,
+        Some(shipped_drafter()),
+        Some(&flat),
+    );
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding");
+    }
+    let windows = state.experiment.as_ref().unwrap().lock().unwrap().clone();
+    println!(
+        "{} windows: {:?}",
+        windows.len(),
+        windows
+            .iter()
+            .map(|w| (w.arm.as_str(), w.tokens))
+            .collect::<Vec<_>>()
+    );
+    assert!(windows.len() >= 3, "only {} windows", windows.len());
+    let order = ["dspark", "none", "fixed:3"];
+    for (i, w) in windows.iter().enumerate() {
+        assert_eq!(w.arm, order[i % 3], "window {i}");
+    }
+    for arm in order {
+        let tokens = m
+            .lines()
+            .find(|l| {
+                l.starts_with("dspark_experiment_tokens_total{")
+                    && l.contains(&format!("policy=\"{arm}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        assert!(tokens > 0.0, "no tokens under arm {arm}");
+        let quoted = format!("policy=\"{arm}\"");
+        assert!(
+            m.lines()
+                .any(|l| l.starts_with("dspark_experiment_active{") && l.contains(&quoted)),
+            "no active gauge for {arm}"
+        );
+    }
+    // Drafts were verified under the speculating arms.
+    let drafted: usize = spec.iter().map(|r| r.2).sum();
+    assert!(drafted > 0, "no arm drafted");
 }

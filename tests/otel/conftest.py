@@ -110,7 +110,7 @@ class Engine:
 @pytest.fixture(scope="module")
 def engine():
     """dspark-engine serving SmolLM2 with the shipped DSpark drafter (online recalibration)
-    and the dspark policy, admin API on."""
+    and the dspark policy in an online experiment against plain decoding, admin API on."""
     binary = _bin("DSPARK_ENGINE_BIN", "dspark-engine")
     model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
@@ -127,6 +127,8 @@ def engine():
          "--speculation", "dspark-markov",
          "--drafter", str(ROOT / "drafters" / "smollm2-135m-dspark-markov"),
          "--online-calibration", "0.05",
+         # The online experiment (dspark vs none in 4 s windows): its panels get data.
+         "--policy-experiment", "dspark,none", "--experiment-window", "4",
          # The built-in default table until the test pushes one (the alert timeline).
          "--startup-profile", "false",
          "--kv-cache-mb", "128", "--max-model-len", "2048", "--threads", "1"],

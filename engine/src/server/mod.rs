@@ -50,6 +50,8 @@ pub struct AppState {
     pub created: u64,
     /// Extra facts for `/ready` (speculation, cost table...), set by the serve command.
     pub ready_details: std::sync::RwLock<Value>,
+    /// Finished windows of the online policy experiment, when one runs.
+    pub experiment: Option<Arc<std::sync::Mutex<Vec<crate::experiment::Window>>>>,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -60,6 +62,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
+        .route("/experiment", get(experiment))
         .with_state(state)
 }
 
@@ -68,6 +71,22 @@ fn now_secs() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// The online policy experiment's finished windows (`serve --policy-experiment`), for
+/// `dspark-engine experiment-report`.
+async fn experiment(State(st): State<Arc<AppState>>) -> Response {
+    match &st.experiment {
+        Some(log) => {
+            let windows = log.lock().map(|l| l.clone()).unwrap_or_default();
+            Json(json!({ "windows": windows })).into_response()
+        }
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": {"message": "no policy experiment runs on this engine (serve --policy-experiment ARMS)", "type": "not_found_error", "code": "no_experiment"}})),
+        )
+            .into_response(),
+    }
 }
 
 async fn ready(State(st): State<Arc<AppState>>) -> Response {

@@ -197,6 +197,8 @@ pub struct Speculator {
     /// Drafter calls already exported.
     calls: u64,
     last: LastPlan,
+    /// Speculation switched off by the experiment's `none` arm.
+    off: bool,
     metrics: Arc<Metrics>,
 }
 
@@ -228,20 +230,65 @@ impl Speculator {
             steps: 0,
             calls: 0,
             last: LastPlan::default(),
+            off: false,
             metrics,
         }
     }
 
+    /// The drafter kind, `None` while an experiment arm has speculation off.
     pub fn kind(&self) -> Speculation {
-        self.kind
+        if self.off {
+            Speculation::None
+        } else {
+            self.kind
+        }
     }
 
     pub fn policy(&self) -> &VerifyPolicy {
         &self.policy
     }
 
+    /// Switches the verify policy between steps (the online experiment); `None` turns
+    /// speculation off: no drafting, no verification, no hidden states requested, and
+    /// every sequence's drafter context is dropped (they decode plainly to their end).
+    pub fn set_policy(&mut self, policy: Option<VerifyPolicy>) {
+        self.off = policy.is_none();
+        if let Some(p) = policy {
+            self.policy = p;
+        }
+        if self.off {
+            let ids: Vec<u64> = self.seqs.keys().copied().collect();
+            for id in ids {
+                self.detach(id);
+            }
+        }
+        self.skips_in_row = 0;
+    }
+
+    /// Sequence `id` loses its drafter context for good (it decodes plainly).
+    fn detach(&mut self, id: u64) {
+        let block = self.block();
+        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+        st.detached = true;
+        st.pending = PendingFeatures::default();
+        st.draft_ctx = None;
+        st.shadow = None;
+        if let Some(d) = self.drafter.as_mut() {
+            d.kv.truncate(&mut st.draft_blocks, 0);
+        }
+    }
+
+    fn block(&self) -> usize {
+        self.drafter
+            .as_ref()
+            .map_or(self.policy.gamma(), |d| d.model.config().block_size)
+    }
+
     /// Target layers whose hidden states the drafter reads (empty: none needed).
     pub fn hidden_layers(&self) -> Vec<usize> {
+        if self.off {
+            return Vec::new();
+        }
         self.drafter
             .as_ref()
             .map(|d| d.model.target_layers().to_vec())
@@ -570,10 +617,7 @@ impl Speculator {
         if let Some(t) = vp.theta {
             self.metrics.theta.set(t);
         }
-        let block = self
-            .drafter
-            .as_ref()
-            .map_or(self.policy.gamma(), |d| d.model.config().block_size);
+        let block = self.block();
         for ((&(id, _, n_tokens), p), &l) in cands.iter().zip(proposals.iter_mut()).zip(&vp.lens) {
             self.metrics.verify_len.observe(l as f64);
             let Some(prop) = p.take() else {
@@ -603,11 +647,14 @@ impl Speculator {
         cached: usize,
         verified: Option<Verified<'_>>,
     ) -> Result<()> {
-        let block = self
-            .drafter
-            .as_ref()
-            .map_or(self.policy.gamma(), |d| d.model.config().block_size);
-        if let Some(d) = self.drafter.as_mut() {
+        let block = self.block();
+        if self.drafter.is_some() && hidden.is_empty() && valid > 0 {
+            // Hidden states were not computed this step (speculation was off): the drafter
+            // context cannot follow any more.
+            if !self.seqs.get(&id).is_some_and(|s| s.detached) {
+                self.detach(id);
+            }
+        } else if let Some(d) = self.drafter.as_mut() {
             let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
             if !st.detached {
                 st.pending.push(hidden, first_row, valid)?;

@@ -1,0 +1,413 @@
+//! The online on/off experiment (`serve --policy-experiment dspark,none[,fixed:G]
+//! --experiment-window SECS`): the engine alternates verify policies ("arms") in fixed
+//! windows on live traffic and records, per window, what each arm delivered at what load.
+//! The DSpark paper compares policies offline only; this answers "does speculation pay on
+//! MY traffic" with the traffic itself.
+//!
+//! Switching happens between steps, so every step is verified under one policy and the
+//! output stays lossless. A sequence's drafter context is dropped when its arm turns
+//! speculation off (it decodes plainly to its end), which only ever favours `none`.
+//!
+//! Per arm, exported as metrics (label `policy`): committed tokens, wall seconds, the
+//! integral of running requests over time (so tokens / running-seconds is the per-user
+//! rate and running-seconds / seconds the mean load), TTFT and ITL histograms, windows.
+//! `GET /experiment` lists the finished windows; `dspark-engine experiment-report` pairs
+//! neighbouring windows of two arms whose loads match and reports the throughput ratio with
+//! a confidence interval ([`report`], pure).
+
+use crate::speculative::VerifyPolicy;
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant};
+
+/// One arm: its label (as given: `dspark`, `none`, `fixed:3`) and its policy (`None`:
+/// speculation off).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Arm {
+    pub label: String,
+    pub policy: Option<VerifyPolicy>,
+}
+
+/// Parses `--policy-experiment`: comma-separated `dspark`, `none`, `fixed:G`,
+/// `threshold:T`; `gamma` is the block size of `dspark` and `threshold`.
+pub fn parse_arms(spec: &str, gamma: usize) -> Result<Vec<Arm>, String> {
+    let mut arms: Vec<Arm> = Vec::new();
+    for raw in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (kind, val) = raw.split_once(':').unwrap_or((raw, ""));
+        let policy = match kind {
+            "none" if val.is_empty() => None,
+            "dspark" if val.is_empty() => Some(VerifyPolicy::Dspark { gamma }),
+            "fixed" => {
+                let g: usize = val
+                    .parse()
+                    .ok()
+                    .filter(|&g| g >= 1)
+                    .ok_or_else(|| format!("arm '{raw}': fixed:G needs a block size G >= 1"))?;
+                Some(VerifyPolicy::Fixed { gamma: g })
+            }
+            "threshold" => {
+                let t: f32 = val
+                    .parse()
+                    .ok()
+                    .filter(|t: &f32| (0.0..=1.0).contains(t))
+                    .ok_or_else(|| format!("arm '{raw}': threshold:T needs T in [0, 1]"))?;
+                Some(VerifyPolicy::Threshold {
+                    gamma,
+                    threshold: t,
+                })
+            }
+            _ => {
+                return Err(format!(
+                    "unknown arm '{raw}'; use dspark, none, fixed:G or threshold:T"
+                ))
+            }
+        };
+        if arms.iter().any(|a| a.label == raw) {
+            return Err(format!("arm '{raw}' is listed twice"));
+        }
+        arms.push(Arm {
+            label: raw.to_string(),
+            policy,
+        });
+    }
+    if arms.len() < 2 {
+        return Err(format!(
+            "--policy-experiment needs at least two arms (e.g. dspark,none), got '{spec}'"
+        ));
+    }
+    Ok(arms)
+}
+
+/// One finished window.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Window {
+    pub arm: String,
+    /// Seconds since the experiment started, at the window's start.
+    pub start_s: f64,
+    pub seconds: f64,
+    /// Tokens committed to requests in the window.
+    pub tokens: u64,
+    /// Integral of the running requests over the window (request-seconds).
+    pub running_seconds: f64,
+    /// Requests that finished in the window.
+    pub finished: u64,
+}
+
+impl Window {
+    /// Committed tokens per second.
+    pub fn throughput(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-9)
+    }
+    /// Mean running requests.
+    pub fn load(&self) -> f64 {
+        self.running_seconds / self.seconds.max(1e-9)
+    }
+    /// Tokens per second per running request.
+    pub fn per_user(&self) -> f64 {
+        self.tokens as f64 / self.running_seconds.max(1e-9)
+    }
+}
+
+/// The experiment's live state in the engine thread.
+pub struct Experiment {
+    pub arms: Vec<Arm>,
+    pub window: Duration,
+    current: usize,
+    t0: Instant,
+    started: Instant,
+    last_tick: Instant,
+    acc: Window,
+    /// Finished windows, shared with the HTTP side.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<Window>>>,
+}
+
+impl Experiment {
+    pub fn new(arms: Vec<Arm>, window: Duration, now: Instant) -> Self {
+        let acc = Window {
+            arm: arms[0].label.clone(),
+            start_s: 0.0,
+            seconds: 0.0,
+            tokens: 0,
+            running_seconds: 0.0,
+            finished: 0,
+        };
+        Self {
+            arms,
+            window,
+            current: 0,
+            t0: now,
+            started: now,
+            last_tick: now,
+            acc,
+            log: Default::default(),
+        }
+    }
+
+    /// The arm in force.
+    pub fn arm(&self) -> &Arm {
+        &self.arms[self.current]
+    }
+
+    /// Accounts the time since the last tick (returned, in seconds) with `running`
+    /// requests; when the window is over, closes it and switches to the next arm (the
+    /// second value says so; the caller switches the policy).
+    pub fn tick(&mut self, now: Instant, running: usize) -> (f64, Option<&Arm>) {
+        let dt = now.saturating_duration_since(self.last_tick).as_secs_f64();
+        self.last_tick = now;
+        self.acc.running_seconds += dt * running as f64;
+        if now.saturating_duration_since(self.started) < self.window {
+            return (dt, None);
+        }
+        self.acc.seconds = now.saturating_duration_since(self.started).as_secs_f64();
+        let next = (self.current + 1) % self.arms.len();
+        let done = std::mem::replace(
+            &mut self.acc,
+            Window {
+                arm: self.arms[next].label.clone(),
+                start_s: now.saturating_duration_since(self.t0).as_secs_f64(),
+                seconds: 0.0,
+                tokens: 0,
+                running_seconds: 0.0,
+                finished: 0,
+            },
+        );
+        if let Ok(mut log) = self.log.lock() {
+            log.push(done);
+        }
+        self.current = next;
+        self.started = now;
+        (dt, Some(&self.arms[next]))
+    }
+
+    /// `n` tokens were committed to requests.
+    pub fn tokens(&mut self, n: usize) {
+        self.acc.tokens += n as u64;
+    }
+
+    /// A request finished.
+    pub fn finished(&mut self) {
+        self.acc.finished += 1;
+    }
+}
+
+/// One arm's summary in a [`Report`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ArmSummary {
+    pub arm: String,
+    pub windows: usize,
+    pub throughput: f64,
+    pub per_user: f64,
+    pub load: f64,
+}
+
+/// Throughput ratio of `arm` over `baseline` from load-matched neighbouring windows.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    pub arm: String,
+    pub baseline: String,
+    /// Pairs used (neighbouring windows, loads within the tolerance).
+    pub pairs: usize,
+    /// Geometric mean of the paired throughput ratios.
+    pub ratio: f64,
+    /// 95 % confidence interval of the ratio (t interval on the log ratios); `None` below
+    /// two pairs.
+    pub ci95: Option<(f64, f64)>,
+    /// The same for per-user tokens/s.
+    pub per_user_ratio: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Report {
+    pub arms: Vec<ArmSummary>,
+    pub comparisons: Vec<Comparison>,
+}
+
+/// Two-sided 97.5 % quantile of Student's t with `df` degrees of freedom.
+fn t975(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    if df == 0 {
+        f64::INFINITY
+    } else {
+        T.get(df - 1).copied().unwrap_or(1.96)
+    }
+}
+
+/// Summarises finished windows: per arm totals (windows with no running request are
+/// skipped: nothing to compare), and for every arm against `baseline` the throughput ratio
+/// over pairs of neighbouring windows (each window of the arm with the nearest baseline
+/// window before or after it) whose mean loads differ by at most `load_tolerance`
+/// (relative), with a 95 % confidence interval. `skip` drops that many windows at the
+/// start (warm-up).
+pub fn report(windows: &[Window], baseline: &str, load_tolerance: f64, skip: usize) -> Report {
+    let ws: Vec<&Window> = windows
+        .iter()
+        .skip(skip)
+        .filter(|w| w.running_seconds > 0.0 && w.seconds > 0.0)
+        .collect();
+    let mut labels: Vec<&str> = Vec::new();
+    for w in &ws {
+        if !labels.contains(&w.arm.as_str()) {
+            labels.push(&w.arm);
+        }
+    }
+    let arms = labels
+        .iter()
+        .map(|&l| {
+            let mine: Vec<&&Window> = ws.iter().filter(|w| w.arm == l).collect();
+            let secs: f64 = mine.iter().map(|w| w.seconds).sum();
+            let toks: f64 = mine.iter().map(|w| w.tokens as f64).sum();
+            let run: f64 = mine.iter().map(|w| w.running_seconds).sum();
+            ArmSummary {
+                arm: l.to_string(),
+                windows: mine.len(),
+                throughput: toks / secs.max(1e-9),
+                per_user: toks / run.max(1e-9),
+                load: run / secs.max(1e-9),
+            }
+        })
+        .collect();
+    let mut comparisons = Vec::new();
+    for &l in labels.iter().filter(|&&l| l != baseline) {
+        let (mut logs, mut pu) = (Vec::new(), Vec::new());
+        for (i, w) in ws.iter().enumerate().filter(|(_, w)| w.arm == l) {
+            let before = ws[..i].iter().rev().find(|b| b.arm == baseline);
+            let after = ws[i + 1..].iter().find(|b| b.arm == baseline);
+            let best = [before, after].into_iter().flatten().min_by(|a, b| {
+                let da = (a.load() - w.load()).abs();
+                let db = (b.load() - w.load()).abs();
+                da.partial_cmp(&db).unwrap_or(std::cmp::Ordering::Equal)
+            });
+            let Some(b) = best else { continue };
+            let rel = (b.load() - w.load()).abs() / b.load().max(w.load()).max(1e-9);
+            if rel > load_tolerance || b.tokens == 0 || w.tokens == 0 {
+                continue;
+            }
+            logs.push((w.throughput() / b.throughput()).ln());
+            pu.push((w.per_user() / b.per_user()).ln());
+        }
+        if logs.is_empty() {
+            continue;
+        }
+        let n = logs.len() as f64;
+        let mean = logs.iter().sum::<f64>() / n;
+        let ci95 = (logs.len() >= 2).then(|| {
+            let var = logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+            let half = t975(logs.len() - 1) * (var / n).sqrt();
+            ((mean - half).exp(), (mean + half).exp())
+        });
+        comparisons.push(Comparison {
+            arm: l.to_string(),
+            baseline: baseline.to_string(),
+            pairs: logs.len(),
+            ratio: mean.exp(),
+            ci95,
+            per_user_ratio: (pu.iter().sum::<f64>() / n).exp(),
+        });
+    }
+    Report { arms, comparisons }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arms_parse_with_clear_errors() {
+        let a = parse_arms("dspark,none,fixed:3", 7).unwrap();
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[0].policy, Some(VerifyPolicy::Dspark { gamma: 7 }));
+        assert_eq!(a[1].policy, None);
+        assert_eq!(a[2].policy, Some(VerifyPolicy::Fixed { gamma: 3 }));
+        for (bad, needle) in [
+            ("dspark", "at least two"),
+            ("dspark,dspark", "twice"),
+            ("dspark,fixed:0", "fixed:G"),
+            ("dspark,threshold:2", "threshold:T"),
+            ("dspark,ngram", "unknown arm 'ngram'"),
+        ] {
+            let e = parse_arms(bad, 4).unwrap_err();
+            assert!(e.contains(needle), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn windows_alternate_and_account_load() {
+        let arms = parse_arms("dspark,none", 4).unwrap();
+        let t = Instant::now();
+        let mut e = Experiment::new(arms, Duration::from_secs(10), t);
+        assert_eq!(e.arm().label, "dspark");
+        e.tokens(100);
+        assert_eq!(e.tick(t + Duration::from_secs(5), 2), (5.0, None));
+        let (dt, next) = e.tick(t + Duration::from_secs(10), 4);
+        assert_eq!((dt, next.unwrap().label.as_str()), (5.0, "none"));
+        e.tokens(50);
+        e.finished();
+        assert_eq!(
+            e.tick(t + Duration::from_secs(20), 1).1.unwrap().label,
+            "dspark"
+        );
+        let log = e.log.lock().unwrap().clone();
+        assert_eq!(log.len(), 2);
+        assert_eq!(log[0].arm, "dspark");
+        assert_eq!(log[0].tokens, 100);
+        assert!((log[0].running_seconds - (5.0 * 2.0 + 5.0 * 4.0)).abs() < 1e-9);
+        assert!((log[0].load() - 3.0).abs() < 1e-9);
+        assert_eq!(
+            (log[1].arm.as_str(), log[1].tokens, log[1].finished),
+            ("none", 50, 1)
+        );
+        assert!((log[1].start_s - 10.0).abs() < 1e-9);
+    }
+
+    fn w(arm: &str, tokens: u64, load: f64) -> Window {
+        Window {
+            arm: arm.into(),
+            start_s: 0.0,
+            seconds: 10.0,
+            tokens,
+            running_seconds: 10.0 * load,
+            finished: 1,
+        }
+    }
+
+    #[test]
+    fn report_pairs_neighbours_at_matched_load() {
+        // dspark 1.2x none at load 4; one window at load 16 has no matching neighbour.
+        let ws = vec![
+            w("dspark", 1200, 4.0),
+            w("none", 1000, 4.0),
+            w("dspark", 1260, 4.2),
+            w("none", 1050, 4.1),
+            w("dspark", 3000, 16.0),
+            w("none", 990, 3.9),
+        ];
+        let r = report(&ws, "none", 0.25, 0);
+        assert_eq!(r.arms.len(), 2);
+        let c = &r.comparisons[0];
+        assert_eq!(
+            (c.arm.as_str(), c.baseline.as_str(), c.pairs),
+            ("dspark", "none", 2)
+        );
+        assert!((c.ratio - 1.2).abs() < 0.01, "{c:?}");
+        let (lo, hi) = c.ci95.unwrap();
+        assert!(lo <= c.ratio && c.ratio <= hi);
+        // Identical ratios: a zero-width interval.
+        assert!((hi - lo).abs() < 1e-9);
+        // A wider spread widens it.
+        let ws2 = vec![
+            w("dspark", 1400, 4.0),
+            w("none", 1000, 4.0),
+            w("dspark", 1000, 4.0),
+            w("none", 1000, 4.0),
+        ];
+        let c2 = &report(&ws2, "none", 0.25, 0).comparisons[0];
+        let (lo2, hi2) = c2.ci95.unwrap();
+        assert!(lo2 < 1.0 && hi2 > 1.3, "{c2:?}");
+        // Skipping the warm-up window drops its pair.
+        assert_eq!(report(&ws, "none", 0.25, 1).comparisons[0].pairs, 1);
+        assert!(report(&ws, "nobody", 0.25, 0).comparisons.is_empty());
+    }
+}
