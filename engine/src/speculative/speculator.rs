@@ -43,8 +43,8 @@ pub struct Drafter {
 pub const DRAFT_PROBE: usize = 16;
 
 /// A held backlog this long (rows) is written into the drafter cache by the next drafting
-/// call even when its sequence does not draft then (piggybacked, at most
-/// [`FEED_ROWS_PER_CALL`] such rows per call).
+/// call the plan chose (not a probe) even when its sequence does not draft then
+/// (piggybacked, at most [`FEED_ROWS_PER_CALL`] such rows per call).
 pub const FEED_BACKLOG_ROWS: usize = 2 * DRAFT_PROBE;
 /// Most piggybacked backlog rows per drafting call, so no single step pays a large feed.
 pub const FEED_ROWS_PER_CALL: usize = 256;
@@ -362,21 +362,29 @@ impl Speculator {
     }
 
     /// Predicted conditional acceptance of sequence `id`'s positions: its own recent
-    /// outcomes, with the global rates as a prior of [`PRIOR_WEIGHT`] blocks.
+    /// outcomes, with the global rates as a prior of [`PRIOR_WEIGHT`] blocks. A position
+    /// with little evidence borrows the estimate of the position before it (acceptance
+    /// rarely rises along a block), not an uninformed 1/2: deep positions are verified
+    /// rarely, and an optimistic guess there would make the plan draft long blocks that
+    /// do not pay.
     fn predicted_rates(&self, id: u64, gamma: usize) -> Vec<f32> {
         let own = self.seqs.get(&id).map(|s| &s.own);
-        (0..gamma)
-            .map(|k| {
-                let g = self.acceptance.rate(k) as f64;
-                match own {
-                    Some(o) => {
-                        let (a, n) = o.counts(k);
-                        ((a + PRIOR_WEIGHT * g) / (n + PRIOR_WEIGHT)) as f32
-                    }
-                    None => g as f32,
+        let mut out = Vec::with_capacity(gamma);
+        let mut prev = 0.5f64;
+        for k in 0..gamma {
+            let (a, n) = self.acceptance.counts(k);
+            let g = (a + 2.0 * prev) / (n + 2.0);
+            let r = match own {
+                Some(o) => {
+                    let (a, n) = o.counts(k);
+                    (a + PRIOR_WEIGHT * g) / (n + PRIOR_WEIGHT)
                 }
-            })
-            .collect()
+                None => g,
+            };
+            out.push(r as f32);
+            prev = g;
+        }
+        out
     }
 
     fn propose_with_model(
@@ -429,10 +437,14 @@ impl Speculator {
                 if self.skips_in_row < DRAFT_PROBE {
                     return Ok(());
                 }
-                // Probe: the eligible sequence that drafted longest ago, full block.
+                // Probe: the eligible sequence whose drafter context is cheapest to bring up
+                // to date (smallest backlog; then the one that drafted longest ago), full
+                // block. The estimates it refreshes are global.
                 let pick = (0..cands.len()).filter(|&i| caps[i] > 0).min_by_key(|&i| {
+                    let st = self.seqs.get(&cands[i].id);
                     (
-                        self.seqs.get(&cands[i].id).map_or(0, |s| s.last_drafted),
+                        st.map_or(0, |s| s.pending.rows),
+                        st.map_or(0, |s| s.last_drafted),
                         cands[i].id,
                     )
                 });
@@ -476,9 +488,14 @@ impl Speculator {
         }
         let t0 = Instant::now();
         // The drafter's context must reach each anchor: feed the held rows of the drafting
-        // sequences, and of long backlogs of the others within the per-call bound.
+        // sequences, and (when the plan itself chose to draft, not in a probe) of long
+        // backlogs of the others within the per-call bound.
         let mut feed: Vec<u64> = who.iter().map(|&i| cands[i].id).collect();
-        let mut extra = 0;
+        let mut extra = if self.last.probe {
+            FEED_ROWS_PER_CALL
+        } else {
+            0
+        };
         let mut backlogs: Vec<(usize, u64)> = self
             .seqs
             .iter()
