@@ -307,6 +307,16 @@ fn online_recalibration_with_a_confidence_policy_is_lossless() {
     );
 }
 
+fn first_prompts(n: usize) -> Vec<String> {
+    prompts().into_iter().take(n).collect()
+}
+
+/// Plain decoding of `prompts` (no drafter).
+fn plain_run(prompts: &[String], max_tokens: usize) -> Outputs {
+    let plain = VerifyPolicy::Fixed { gamma: 1 };
+    run(Speculation::None, plain, prompts, max_tokens, None)
+}
+
 fn shipped_drafter() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../drafters/smollm2-135m-dspark-markov")
 }
@@ -318,15 +328,8 @@ fn shipped_drafter() -> std::path::PathBuf {
 /// nearly free, most steps draft. The output is the target's either way.
 #[test]
 fn a_step_that_drafts_nothing_runs_no_drafter_code() {
-    let prompts: Vec<String> = prompts().into_iter().take(8).collect();
-    let max_tokens = 48;
-    let plain = run(
-        Speculation::None,
-        VerifyPolicy::Fixed { gamma: 1 },
-        &prompts,
-        max_tokens,
-        None,
-    );
+    let (prompts, max_tokens) = (first_prompts(8), 48);
+    let plain = plain_run(&prompts, max_tokens);
     let policy = VerifyPolicy::Dspark { gamma: 4 };
     let steep = |id: &str| table_json(id, |b| 100.0 / b, 1.0);
     let cfg = |policy: VerifyPolicy| EngineConfig {
@@ -392,15 +395,8 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
 /// arm was in force at each step.
 #[test]
 fn policy_experiment_alternates_arms_losslessly() {
-    let prompts: Vec<String> = prompts().into_iter().take(24).collect();
-    let max_tokens = 64;
-    let plain = run(
-        Speculation::None,
-        VerifyPolicy::Fixed { gamma: 1 },
-        &prompts,
-        max_tokens,
-        None,
-    );
+    let (prompts, max_tokens) = (first_prompts(24), 64);
+    let plain = plain_run(&prompts, max_tokens);
     let arms = dspark_engine::experiment::parse_arms("dspark,none,fixed:3", 4).unwrap();
     let cfg = EngineConfig {
         speculation: Speculation::DSparkMarkov,
