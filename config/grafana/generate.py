@@ -260,6 +260,11 @@ def spec_board():
     b.panel("Arm in force", [
         (f"max by (policy) (dspark_experiment_active{{{ENGINE}}}) == 1", "{{policy}}")],
         kind="state-timeline", w=8)
+    b.panel("Experiment windows finished per arm", [
+        (f"sum by (model_name, policy) (increase(dspark_experiment_windows_total{{{ENGINE}}}[{RI}]))",
+         "{{policy}}")], w=8, decimals=0,
+        description="dspark_experiment_windows_total: windows each arm completed (every window is "
+        "one row of GET /experiment, which experiment-report pairs by load).")
     b.row("Verify budget vs load")
     b.panel("Verify length per request (mean, p95) vs requests running", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_verify_length_sum{{{ENGINE}}}[{RI}]))"
