@@ -290,6 +290,29 @@ pub struct SchedulerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub online_calibration: Option<f64>,
+    /// An online on/off experiment on live traffic: the engines alternate these verify
+    /// policies window by window (`serve --policy-experiment`), export each arm's series
+    /// (`dspark_experiment_*`) and list the windows at `GET /experiment`
+    /// (`dspark-engine experiment-report`). `policy` is unused while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub experiment: Option<ExperimentSpec>,
+}
+
+/// `scheduler.experiment`.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[x_kube(
+    validation = Rule::new("self.arms.all(a, a.matches('^(dspark|none|fixed:[1-9][0-9]?|threshold:(0([.][0-9]+)?|1([.]0+)?))$'))").message("scheduler.experiment.arms: each arm is dspark, none, fixed:G (G in 1..99) or threshold:T (T in [0, 1])"),
+    validation = Rule::new("self.arms.all(a, self.arms.filter(b, b == a).size() == 1)").message("scheduler.experiment.arms: an arm is listed twice"),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ExperimentSpec {
+    /// Two to four arms, e.g. `[dspark, none]`.
+    #[schemars(length(min = 2, max = 4))]
+    pub arms: Vec<String>,
+    /// Seconds per window (default: the engine's, 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub window_seconds: Option<u32>,
 }
 
 /// Speculative decoding mode (`--speculation`).

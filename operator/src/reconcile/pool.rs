@@ -292,6 +292,12 @@ fn engine_env(dsd: &DSparkDeployment, pool: &NodePool) -> Vec<EnvVar> {
         if let Some(r) = s.online_calibration {
             env.push(var("DSPARK_ONLINE_CALIBRATION", r.to_string()));
         }
+        if let Some(e) = &s.experiment {
+            env.push(var("DSPARK_POLICY_EXPERIMENT", e.arms.join(",")));
+            if let Some(w) = e.window_seconds {
+                env.push(var("DSPARK_EXPERIMENT_WINDOW", w.to_string()));
+            }
+        }
     }
     env.extend(dsd.spec.engine.env.iter().cloned());
     env
@@ -647,6 +653,23 @@ pub(crate) mod tests {
         assert_eq!(env["DSPARK_GAMMA"], "7");
         assert_eq!(env["DSPARK_THRESHOLD"], "0.4");
         assert_eq!(env["DSPARK_ONLINE_CALIBRATION"], "0.05");
+        assert!(!env.contains_key("DSPARK_POLICY_EXPERIMENT"));
+        let mut d2 = d.clone();
+        d2.spec.scheduler.as_mut().unwrap().experiment = Some(crate::crd::ExperimentSpec {
+            arms: vec!["dspark".into(), "none".into()],
+            window_seconds: Some(60),
+        });
+        let dep2 = engine_deployment(&d2, pool, 3, true);
+        let c2 = &dep2.spec.template.spec.unwrap().containers[0];
+        let env2: BTreeMap<String, String> = c2
+            .env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect();
+        assert_eq!(env2["DSPARK_POLICY_EXPERIMENT"], "dspark,none");
+        assert_eq!(env2["DSPARK_EXPERIMENT_WINDOW"], "60");
         assert_eq!(env["RUST_LOG"], "info");
         assert_eq!(spec.selector.match_labels.unwrap()[LABEL_POOL], "a100");
     }
