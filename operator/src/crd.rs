@@ -307,7 +307,7 @@ pub struct SchedulerSpec {
 #[serde(rename_all = "camelCase")]
 pub struct ExperimentSpec {
     /// Two to four arms, e.g. `[dspark, none]`.
-    #[schemars(length(min = 2, max = 4))]
+    #[schemars(length(min = 2, max = 4), inner(length(min = 1, max = 16)))]
     pub arms: Vec<String>,
     /// Seconds per window (default: the engine's, 30).
     #[serde(default, skip_serializing_if = "Option::is_none")]
