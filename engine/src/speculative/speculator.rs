@@ -52,6 +52,9 @@ pub const FEED_ROWS_PER_CALL: usize = 256;
 /// plainly until it ends.
 pub const DETACH_ROWS: usize = 1024;
 
+/// Relative gain over plain decoding a drafting plan must promise to run.
+const PLAN_MARGIN: f64 = 0.03;
+
 /// Half-life, in verified blocks, of a sequence's own acceptance memory.
 const OWN_HALF_LIFE: f64 = 8.0;
 /// Weight (pseudo-blocks) of the global rates in a sequence's predicted acceptance.
@@ -431,6 +434,11 @@ impl Speculator {
                 &|n, l| clock.predict(table, n, l),
             );
             gamma = plan.gamma;
+            // Predictions are estimates: a plan must beat plain decoding by a margin, or the
+            // step decodes plainly (a near-tie is not worth the drafter's risk).
+            if plan.rate < plan.plain_rate * (1.0 + PLAN_MARGIN) {
+                gamma.iter_mut().for_each(|g| *g = 0);
+            }
             if gamma.iter().all(|&g| g == 0) {
                 self.skips_in_row += 1;
                 self.metrics.draft_skips.inc();
