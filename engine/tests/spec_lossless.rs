@@ -397,11 +397,13 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
 fn policy_experiment_alternates_arms_losslessly() {
     let (prompts, max_tokens) = (first_prompts(24), 64);
     let plain = plain_run(&prompts, max_tokens);
-    let arms = dspark_engine::experiment::parse_arms("dspark,none,fixed:3", 4).unwrap();
+    // fixed:3 first: its window drafts for certain (a sequence running when `none` begins
+    // decodes plainly to its end, and these requests all arrive at once).
+    let arms = dspark_engine::experiment::parse_arms("fixed:3,dspark,none", 4).unwrap();
     let cfg = EngineConfig {
         speculation: Speculation::DSparkMarkov,
         policy: VerifyPolicy::Fixed { gamma: 4 },
-        experiment: Some((arms, std::time::Duration::from_millis(250))),
+        experiment: Some((arms, std::time::Duration::from_millis(600))),
         ..Default::default()
     };
     let flat = |id: &str| table_json(id, |b| 100.0 / (1.0 + (b - 1.0) / 16.0), 0.2);
@@ -425,7 +427,7 @@ fn policy_experiment_alternates_arms_losslessly() {
             .collect::<Vec<_>>()
     );
     assert!(windows.len() >= 3, "only {} windows", windows.len());
-    let order = ["dspark", "none", "fixed:3"];
+    let order = ["fixed:3", "dspark", "none"];
     for (i, w) in windows.iter().enumerate() {
         assert_eq!(w.arm, order[i % 3], "window {i}");
     }
