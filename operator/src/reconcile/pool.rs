@@ -643,13 +643,7 @@ pub(crate) mod tests {
                 .claim_name,
             "models"
         );
-        let env: BTreeMap<String, String> = c
-            .env
-            .as_ref()
-            .unwrap()
-            .iter()
-            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
-            .collect();
+        let env = env_of(c);
         assert_eq!(env["DSPARK_GAMMA"], "7");
         assert_eq!(env["DSPARK_THRESHOLD"], "0.4");
         assert_eq!(env["DSPARK_ONLINE_CALIBRATION"], "0.05");
@@ -660,18 +654,21 @@ pub(crate) mod tests {
             window_seconds: Some(60),
         });
         let dep2 = engine_deployment(&d2, pool, 3, true);
-        let c2 = &dep2.spec.template.spec.unwrap().containers[0];
-        let env2: BTreeMap<String, String> = c2
-            .env
-            .as_ref()
-            .unwrap()
-            .iter()
-            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
-            .collect();
+        let env2 = env_of(&dep2.spec.template.spec.unwrap().containers[0]);
         assert_eq!(env2["DSPARK_POLICY_EXPERIMENT"], "dspark,none");
         assert_eq!(env2["DSPARK_EXPERIMENT_WINDOW"], "60");
         assert_eq!(env["RUST_LOG"], "info");
         assert_eq!(spec.selector.match_labels.unwrap()[LABEL_POOL], "a100");
+    }
+
+    /// A container's environment as name -> value.
+    fn env_of(c: &Container) -> BTreeMap<String, String> {
+        c.env
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+            .collect()
     }
 
     #[test]
