@@ -1,0 +1,509 @@
+//! The step loop: continuous batching over one model and one paged KV cache.
+//!
+//! Requests join and leave between steps. Each step builds ONE batched target forward from
+//! the decoding sequences (one pending token each, plus the draft tokens the speculator
+//! plans) and prefill chunks of new prompts under a token budget, then verifies, commits and
+//! streams. [`Engine::step`] is the orchestration; the parts live by role:
+//! - [`request`]: the contract with the HTTP server (requests in, events out);
+//! - [`planner`]: pure admission and batch packing (token budget, KV blocks, preemption);
+//! - [`crate::speculative::speculator`]: who drafts, how long, and what the drafter learns;
+//! - [`output`]: detokenizing, stop strings, holdback;
+//! - [`observe`]: gauges, latency metrics, request spans, the policy experiment's clock.
+//!
+//! A sequence whose client went away is dropped (and its KV blocks freed) at the next step.
+//! When the cache runs out of blocks, the youngest sequence is preempted and recomputed later.
+
+mod config;
+mod observe;
+mod output;
+mod planner;
+mod request;
+mod seq;
+
+pub use config::EngineConfig;
+pub use request::{
+    EngineHandle, Event, FinishReason, GenRequest, SubmitError, TokenLogprob, Usage,
+};
+
+use crate::cost::CostTables;
+use crate::experiment::Experiment;
+use crate::kv::KvCache;
+use crate::metrics::Metrics;
+use crate::model::{Model, SeqBatch};
+use crate::sampling::{target_probs, Dist};
+pub use crate::speculative::speculator::Drafter;
+use crate::speculative::speculator::{Candidate, Speculator, Verified};
+use crate::speculative::{verify::verify, Proposal, Speculation};
+use crate::tokenizer::TextTokenizer;
+use anyhow::Result;
+use candle_core::Tensor;
+use dspark_telemetry::TRACE_TARGET;
+use planner::{Demand, Entry, Limits, Load, Packed};
+use seq::Seq;
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct Engine {
+    pub model: Arc<Model>,
+    tok: Arc<TextTokenizer>,
+    kv: KvCache,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+    rx: Receiver<GenRequest>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    waiting_count: Arc<AtomicUsize>,
+    running_count: Arc<AtomicUsize>,
+    /// Drafter, drafting plan, acceptance statistics and recalibration.
+    spec: Speculator,
+    /// The SPS(B) table the scheduler reads (one snapshot per step).
+    costs: Arc<CostTables>,
+    next_id: u64,
+    experiment: Option<Experiment>,
+}
+
+impl Engine {
+    pub fn new(
+        model: Arc<Model>,
+        tok: Arc<TextTokenizer>,
+        kv: KvCache,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+        costs: Arc<CostTables>,
+    ) -> (Self, EngineHandle) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiting = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(0));
+        let handle = EngineHandle {
+            tx,
+            waiting: waiting.clone(),
+            running: running.clone(),
+            max_waiting: cfg.max_waiting,
+        };
+        let mut engine = Self {
+            model,
+            tok,
+            kv,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            waiting_count: waiting,
+            running_count: running,
+            spec: Speculator::new(
+                cfg.speculation,
+                cfg.policy.clone(),
+                cfg.online_calibration,
+                None,
+                metrics.clone(),
+            ),
+            cfg,
+            metrics,
+            costs,
+            next_id: 0,
+            experiment: None,
+        };
+        if let Some((arms, window)) = engine.cfg.experiment.clone() {
+            engine.experiment = Some(Experiment::new(arms, window, Instant::now()));
+            engine.apply_arm();
+        }
+        (engine, handle)
+    }
+
+    /// Attaches the model drafter used by `parallel` / `dspark-*` speculation.
+    pub fn with_drafter(mut self, drafter: Drafter) -> Self {
+        self.spec = Speculator::new(
+            self.cfg.speculation,
+            self.cfg.policy.clone(),
+            self.cfg.online_calibration,
+            Some(drafter),
+            self.metrics.clone(),
+        );
+        self.apply_arm();
+        self
+    }
+
+    /// The speculation component (its counters and last plan, for tests and the trace).
+    pub fn speculator(&self) -> &Speculator {
+        &self.spec
+    }
+
+    /// Largest prompt + max_tokens one request may ask for.
+    pub fn max_sequence_tokens(model: &Model, kv: &KvCache) -> usize {
+        model.max_context().min(kv.capacity_tokens())
+    }
+
+    /// Runs until every handle is dropped and no work is left.
+    pub fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(r) => self.enqueue(r),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+            if let Err(e) = self.step() {
+                tracing::error!("engine step failed: {e:#}");
+                for s in self.running.drain(..) {
+                    let _ = s
+                        .req
+                        .events
+                        .send(Event::Error(format!("engine error: {e:#}")));
+                    let mut b = s.blocks;
+                    self.kv.truncate(&mut b, 0);
+                    self.spec.release(s.id);
+                }
+            }
+        }
+    }
+
+    fn enqueue(&mut self, req: GenRequest) {
+        self.next_id += 1;
+        self.waiting.push_back(Seq::new(self.next_id, req));
+    }
+
+    fn release(&mut self, s: &mut Seq) {
+        self.kv.truncate(&mut s.blocks, 0);
+        self.spec.release(s.id);
+        s.cached = 0;
+    }
+
+    /// One engine step: take in new requests, admit, plan, draft, run ONE target forward,
+    /// verify and commit, stream the output. Returns after at most one target forward.
+    pub fn step(&mut self) -> Result<()> {
+        self.intake();
+        self.admit();
+        self.publish_counts();
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let loads: Vec<Load> = self
+            .running
+            .iter()
+            .map(|s| Load {
+                pending: s.pending(),
+                cached: s.cached,
+                blocks: s.blocks.len(),
+            })
+            .collect();
+        let limits = self.limits();
+        let demand = planner::demand(&loads, &limits);
+        let mut proposals = self.draft(&demand)?;
+        let drafts: Vec<usize> = proposals
+            .iter()
+            .map(|p| p.as_ref().map_or(0, |p| p.tokens.len()))
+            .collect();
+        let entries = match planner::pack(&loads, &demand, &drafts, &limits) {
+            Packed::Run(e) => e,
+            Packed::Preempt(i) => {
+                let mut s = self.running.remove(i);
+                self.release(&mut s);
+                self.metrics.preemptions.inc();
+                self.waiting.push_front(s);
+                return Ok(());
+            }
+        };
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let plan: Vec<Planned> = entries
+            .into_iter()
+            .map(|e| {
+                let s = &mut self.running[e.seq];
+                let fits = self.kv.ensure(&mut s.blocks, s.cached + e.chunk);
+                debug_assert!(fits, "the planner counted the free blocks");
+                let proposal = proposals[e.seq]
+                    .take()
+                    .map(|p| p.truncated(e.draft))
+                    .filter(|p| !p.tokens.is_empty());
+                Planned { entry: e, proposal }
+            })
+            .collect();
+        let (batch, out) = self.forward(&plan)?;
+        let finished = self.commit(&plan, &batch, &out)?;
+        for (i, reason) in finished {
+            let mut s = self.running.swap_remove(i);
+            self.finish(&mut s, reason);
+        }
+        self.publish_counts();
+        Ok(())
+    }
+
+    /// Takes in new requests, advances the experiment clock and frees the blocks of
+    /// sequences whose clients went away.
+    fn intake(&mut self) {
+        while let Ok(r) = self.rx.try_recv() {
+            self.enqueue(r);
+        }
+        self.experiment_tick();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].req.events.is_closed() {
+                let mut s = self.running.swap_remove(i);
+                self.release(&mut s);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|s| !s.req.events.is_closed());
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_batch_tokens: self.cfg.max_batch_tokens,
+            prefill_chunk: self.cfg.prefill_chunk,
+            block_size: self.kv.block_size,
+            free_blocks: self.kv.free_blocks(),
+        }
+    }
+
+    /// Moves the sequences the planner admits from the queue to the running list.
+    fn admit(&mut self) {
+        let n = planner::admit(
+            self.waiting.iter().map(|s| s.tokens.len()),
+            self.running.len(),
+            self.cfg.max_running,
+            &self.limits(),
+        );
+        for mut s in self.waiting.drain(..n) {
+            if !s.queued_metric_done {
+                self.metrics
+                    .queue_time
+                    .observe(s.req.arrived.elapsed().as_secs_f64());
+                s.queued_metric_done = true;
+            }
+            s.enter_phase(if s.first_token.is_none() {
+                "prefill"
+            } else {
+                "recompute"
+            });
+            self.running.push(s);
+        }
+    }
+
+    /// The speculator's draft blocks for the decoding sequences (indexed like `running`),
+    /// after its plan decided who verifies how many.
+    fn draft(&mut self, demand: &Demand) -> Result<Vec<Option<Proposal>>> {
+        let mut proposals: Vec<Option<Proposal>> = self.running.iter().map(|_| None).collect();
+        let decoding = demand.decoding();
+        if self.spec.kind() == Speculation::None || decoding.is_empty() {
+            return Ok(proposals);
+        }
+        let table = self.costs.current();
+        let max_ctx = self.model.max_context();
+        let caps: Vec<(u64, usize, usize)> = decoding
+            .iter()
+            .map(|&i| {
+                let s = &self.running[i];
+                let remaining = s.req.max_tokens.saturating_sub(s.generated());
+                let context_left = max_ctx.saturating_sub(s.tokens.len() + 1);
+                let cap = planner::draft_cap(remaining, demand.room, context_left);
+                (s.id, cap, s.tokens.len())
+            })
+            .collect();
+        let mut cands: Vec<Candidate> = Vec::with_capacity(decoding.len());
+        let mut by_index: Vec<Option<&mut Seq>> = self.running.iter_mut().map(Some).collect();
+        for (&i, c) in decoding.iter().zip(&caps) {
+            let s = by_index[i].take().expect("decoding indices are distinct");
+            cands.push(Candidate {
+                id: s.id,
+                cached: s.cached,
+                tokens: &s.tokens,
+                cap: c.1,
+                params: &s.req.params,
+                rng: &mut s.rng,
+            });
+        }
+        let drafted = self
+            .spec
+            .propose(&mut cands, &self.model, demand.shape, &table)?;
+        drop(cands);
+        let planned = self.spec.plan(&caps, drafted, demand.shape, &table);
+        for (&i, p) in decoding.iter().zip(planned) {
+            proposals[i] = p;
+        }
+        Ok(proposals)
+    }
+
+    /// Builds the batch of the plan and runs the target forward over it.
+    fn forward(&mut self, plan: &[Planned]) -> Result<(Vec<SeqBatch>, ForwardOut)> {
+        let batch: Vec<SeqBatch> = plan
+            .iter()
+            .map(|pl| {
+                let s = &self.running[pl.entry.seq];
+                let mut tokens = s.tokens[s.cached..].to_vec();
+                tokens.truncate(pl.entry.chunk);
+                if let Some(p) = &pl.proposal {
+                    tokens.extend_from_slice(&p.tokens);
+                }
+                let ends = s.cached + tokens.len() >= s.tokens.len();
+                SeqBatch {
+                    num_logits: if ends { 1 + pl.drafted() } else { 0 },
+                    tokens,
+                    start_pos: s.cached,
+                    block_table: s.blocks.clone(),
+                }
+            })
+            .collect();
+        let b: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        self.metrics.batch_tokens.observe(b as f64);
+        self.metrics.steps.inc();
+        let hidden_layers = self.spec.hidden_layers();
+        let out = self.model.forward(&batch, &mut self.kv, &hidden_layers)?;
+        let logits = if out.logits.dim(0)? > 0 {
+            out.logits.to_vec2::<f32>()?
+        } else {
+            vec![]
+        };
+        Ok((
+            batch,
+            ForwardOut {
+                logits,
+                hidden: out.hidden,
+                batch_tokens: b,
+            },
+        ))
+    }
+
+    /// Verifies and commits each sequence's share of the forward: samples (or verifies the
+    /// draft block against the target), rolls the KV cache back past rejected drafts, feeds
+    /// the speculator and streams the committed tokens. Returns the sequences that finished
+    /// (highest index first, for `swap_remove`).
+    fn commit(
+        &mut self,
+        plan: &[Planned],
+        batch: &[SeqBatch],
+        out: &ForwardOut,
+    ) -> Result<Vec<(usize, FinishReason)>> {
+        let speculating = self.spec.kind() != Speculation::None;
+        let mut row = 0;
+        let mut hidden_row = 0;
+        let mut finished = Vec::new();
+        for (pl, sb) in plan.iter().zip(batch) {
+            let i = pl.entry.seq;
+            let s = &mut self.running[i];
+            let first_row = hidden_row;
+            hidden_row += sb.tokens.len();
+            if s.cached < s.prompt_len {
+                let prompt_part = sb.tokens.len().min(s.prompt_len - s.cached);
+                self.metrics.prompt_tokens.inc_by(prompt_part as u64);
+            }
+            if sb.num_logits == 0 {
+                s.cached += sb.tokens.len();
+                let (id, cached) = (s.id, s.cached);
+                self.spec
+                    .commit(id, &out.hidden, first_row, sb.tokens.len(), cached, None)?;
+                continue;
+            }
+            let rows = &out.logits[row..row + sb.num_logits];
+            row += sb.num_logits;
+            let (commit, accepted) = match &pl.proposal {
+                None => {
+                    let tok = target_probs(&rows[0], &s.req.params).sample(&mut s.rng);
+                    (vec![tok], 0)
+                }
+                Some(p) => {
+                    let dists: Vec<Dist> = rows
+                        .iter()
+                        .map(|r| target_probs(r, &s.req.params))
+                        .collect();
+                    let v = verify(&p.tokens, &p.q, &dists, &mut s.rng);
+                    (v.tokens, v.accepted)
+                }
+            };
+            // Keys/values are valid for the fed tokens up to the last accepted draft;
+            // rejected positions are rolled back.
+            let drafted = pl.drafted();
+            let valid = sb.tokens.len() - drafted + accepted;
+            s.cached += valid;
+            self.kv.truncate(&mut s.blocks, s.cached);
+            if pl.entry.decoding && speculating {
+                self.metrics.committed_tokens.inc_by(commit.len() as u64);
+            }
+            if drafted > 0 {
+                s.draft_tokens += drafted;
+                s.accepted_tokens += accepted;
+            }
+            let (id, cached) = (s.id, s.cached);
+            self.spec.commit(
+                id,
+                &out.hidden,
+                first_row,
+                valid,
+                cached,
+                pl.proposal.as_ref().map(|p| Verified {
+                    proposal: p,
+                    accepted,
+                }),
+            )?;
+            let s = &mut self.running[i];
+            if pl.entry.decoding && speculating {
+                tracing::info!(
+                    target: TRACE_TARGET,
+                    parent: &s.phase,
+                    verify_len = drafted,
+                    accepted,
+                    committed = commit.len(),
+                    batch_tokens = out.batch_tokens,
+                    "speculation cycle"
+                );
+            }
+            let gap = s
+                .last_token
+                .map(|t| t.elapsed().as_secs_f64() / commit.len() as f64);
+            for (j, &tok) in commit.iter().enumerate() {
+                self.observe_token(i, gap);
+                let s = &mut self.running[i];
+                if let Some(reason) = output::emit_token(s, tok, &rows[j], &self.tok) {
+                    finished.push((i, reason));
+                    break;
+                }
+            }
+            let s = &self.running[i];
+            self.spec.observe(s.id, &s.tokens);
+        }
+        finished.sort_by_key(|f| std::cmp::Reverse(f.0));
+        Ok(finished)
+    }
+
+    fn finish(&mut self, s: &mut Seq, reason: FinishReason) {
+        self.release(s);
+        if let Some(e) = &mut self.experiment {
+            e.finished();
+        }
+        self.observe_finish(s, reason);
+        let _ = s.req.events.send(Event::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: s.prompt_len,
+                completion_tokens: s.generated(),
+                draft_tokens: s.draft_tokens,
+                accepted_draft_tokens: s.accepted_tokens,
+            },
+        });
+    }
+}
+
+/// A planned entry with its (cut) draft block.
+struct Planned {
+    entry: Entry,
+    proposal: Option<Proposal>,
+}
+
+impl Planned {
+    fn drafted(&self) -> usize {
+        self.proposal.as_ref().map_or(0, |p| p.tokens.len())
+    }
+}
+
+/// The target forward's output, as the commit reads it.
+struct ForwardOut {
+    /// One row per requested logit position, in batch order.
+    logits: Vec<Vec<f32>>,
+    /// The hidden states the drafter reads (the speculator's layers).
+    hidden: Vec<Tensor>,
+    batch_tokens: usize,
+}
