@@ -258,6 +258,7 @@ pub fn measure_draft(
                         block_table: t,
                         gamma: l,
                         params: &params,
+                        history: None,
                         rng,
                         last_context: c.as_ref(),
                     })

@@ -1,8 +1,16 @@
-//! Turning logits into tokens: temperature, top-k, top-p, seeded sampling and logprobs.
+//! Turning logits into tokens: logit bias, repetition / presence / frequency penalties,
+//! temperature, min-p, top-k, top-p, seeded sampling and logprobs.
 //!
-//! [`target_probs`] is the target's *processed* distribution; speculative verification
-//! compares draft tokens against exactly this distribution, so sampling with or without a
-//! drafter draws from the same law.
+//! [`target_dist`] is the target's *processed* distribution at one position, given the
+//! tokens before it ([`History`]); speculative verification compares draft tokens against
+//! exactly this distribution, and [`block_dists`] judges each position of a draft block
+//! after the draft tokens before it (accepted, if verification reaches it), so sampling with
+//! or without a drafter draws from the same law.
+//!
+//! The order is vLLM's: bias and penalties on the logits, then temperature, then min-p,
+//! top-k and top-p on the probabilities. Greedy decoding takes the argmax of the biased,
+//! penalised logits. Presence and frequency penalties count generated tokens (as OpenAI
+//! defines them); the repetition penalty (an extension) also counts the prompt's.
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -16,6 +24,17 @@ pub struct SamplingParams {
     /// 0 disables top-k filtering.
     pub top_k: usize,
     pub seed: Option<u64>,
+    /// Drop tokens whose probability is below `min_p` times the most likely one's (0: off).
+    pub min_p: f32,
+    /// Subtracted from the logit of every token generated at least once (OpenAI, -2..2).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (OpenAI, -2..2).
+    pub frequency_penalty: f32,
+    /// Divides positive (multiplies negative) logits of tokens seen in the prompt or the
+    /// output (1: off).
+    pub repetition_penalty: f32,
+    /// Added to the logits of these token ids (OpenAI `logit_bias`, -100..100).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -25,6 +44,11 @@ impl Default for SamplingParams {
             top_p: 1.0,
             top_k: 0,
             seed: None,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -33,6 +57,124 @@ impl SamplingParams {
     pub fn greedy(&self) -> bool {
         self.temperature <= 1e-5 || self.top_k == 1
     }
+
+    /// The distribution depends on the tokens before the position (penalties).
+    pub fn uses_history(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.uses_prompt()
+    }
+
+    /// The penalties read the prompt's tokens too.
+    pub fn uses_prompt(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+
+    /// The logits are changed before temperature (bias or penalties).
+    pub fn edits_logits(&self) -> bool {
+        self.uses_history() || !self.logit_bias.is_empty()
+    }
+}
+
+/// The tokens a position's penalties read: how often each token was generated, and which
+/// tokens the prompt holds (only when the repetition penalty needs them).
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    output: std::collections::HashMap<u32, u32>,
+    prompt: std::collections::HashSet<u32>,
+}
+
+impl History {
+    /// The history of a sequence with `prompt`, before any generated token.
+    pub fn new(prompt: &[u32], sp: &SamplingParams) -> Self {
+        let mut h = History::default();
+        if sp.uses_prompt() {
+            h.prompt.extend(prompt.iter().copied());
+        }
+        h
+    }
+
+    /// Records a generated token.
+    pub fn push(&mut self, tok: u32) {
+        *self.output.entry(tok).or_default() += 1;
+    }
+}
+
+/// The logits after `logit_bias` and the penalties for `hist`, borrowed unchanged when the
+/// request sets none.
+pub fn processed_logits<'a>(
+    logits: &'a [f32],
+    sp: &SamplingParams,
+    hist: &History,
+) -> std::borrow::Cow<'a, [f32]> {
+    if !sp.edits_logits() {
+        return std::borrow::Cow::Borrowed(logits);
+    }
+    let mut l = logits.to_vec();
+    edit_logits(&mut l, sp, hist, |id| Some(id as usize));
+    std::borrow::Cow::Owned(l)
+}
+
+/// Applies `logit_bias` and the penalties for `hist` to `logits`, where token id `t` sits at
+/// position `pos(t)` (`None`: not in this vocabulary). A drafter with a reduced vocabulary
+/// edits its own logits the same way, so that it proposes what the target will accept.
+pub fn edit_logits(
+    logits: &mut [f32],
+    sp: &SamplingParams,
+    hist: &History,
+    pos: impl Fn(u32) -> Option<usize>,
+) {
+    for &(id, b) in &sp.logit_bias {
+        if let Some(i) = pos(id).filter(|&i| i < logits.len()) {
+            logits[i] += b;
+        }
+    }
+    if sp.repetition_penalty != 1.0 {
+        let r = sp.repetition_penalty;
+        let mut done = std::collections::HashSet::new();
+        for &id in hist.output.keys().chain(hist.prompt.iter()) {
+            if !done.insert(id) {
+                continue;
+            }
+            if let Some(i) = pos(id).filter(|&i| i < logits.len()) {
+                let x = &mut logits[i];
+                *x = if *x > 0.0 { *x / r } else { *x * r };
+            }
+        }
+    }
+    if sp.presence_penalty != 0.0 || sp.frequency_penalty != 0.0 {
+        for (&id, &n) in &hist.output {
+            if let Some(i) = pos(id).filter(|&i| i < logits.len()) {
+                logits[i] -= sp.presence_penalty + sp.frequency_penalty * n as f32;
+            }
+        }
+    }
+}
+
+/// The target's processed distribution at a position whose earlier tokens are `hist`.
+pub fn target_dist(logits: &[f32], sp: &SamplingParams, hist: &History) -> Dist {
+    target_probs(&processed_logits(logits, sp, hist), sp)
+}
+
+/// The target's distributions for a verify block: `rows[j]` is judged after `hist` and the
+/// draft tokens `draft[..j]` (the tokens verification has accepted when it reaches row j).
+pub fn block_dists(
+    rows: &[Vec<f32>],
+    sp: &SamplingParams,
+    hist: &History,
+    draft: &[u32],
+) -> Vec<Dist> {
+    if !sp.uses_history() {
+        return rows.iter().map(|r| target_dist(r, sp, hist)).collect();
+    }
+    let mut h = hist.clone();
+    rows.iter()
+        .enumerate()
+        .map(|(j, r)| {
+            if j > 0 {
+                h.push(draft[j - 1]);
+            }
+            target_dist(r, sp, &h)
+        })
+        .collect()
 }
 
 /// A processed distribution over the vocabulary: dense probabilities that sum to 1, a point
@@ -126,7 +268,8 @@ pub fn sample_dense(p: &[f32], rng: &mut ChaCha8Rng) -> u32 {
     last as u32
 }
 
-/// The target's processed distribution for one logits row.
+/// The distribution of one (already biased and penalised) logits row under temperature,
+/// min-p, top-k and top-p.
 pub fn target_probs(logits: &[f32], sp: &SamplingParams) -> Dist {
     if sp.greedy() {
         return Dist::Greedy(crate::model::argmax(logits));
@@ -134,6 +277,14 @@ pub fn target_probs(logits: &[f32], sp: &SamplingParams) -> Dist {
     let inv_t = 1.0 / sp.temperature;
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let mut p: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
+    if sp.min_p > 0.0 {
+        // The most likely token has weight exp(0) = 1.
+        for x in p.iter_mut() {
+            if *x < sp.min_p {
+                *x = 0.0;
+            }
+        }
+    }
     let k = if sp.top_k > 0 && sp.top_k < p.len() {
         sp.top_k
     } else {
@@ -257,5 +408,92 @@ mod tests {
         assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-5);
         assert_eq!(tops[0].0, 2);
         assert_eq!(tops[1].0, 1);
+    }
+
+    #[test]
+    fn bias_and_penalties_edit_the_logits_as_openai_and_vllm_define_them() {
+        let logits = vec![2.0, 1.0, -1.0, 0.5];
+        let sp = SamplingParams {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(3, 10.0)],
+            ..Default::default()
+        };
+        let mut h = History::new(&[2], &sp);
+        h.push(0);
+        h.push(0);
+        h.push(1);
+        let l = processed_logits(&logits, &sp, &h);
+        // Token 0 twice: 2 - 0.5 - 2 * 0.25; token 1 once; token 2 only in the prompt (no
+        // effect on presence / frequency); token 3 biased.
+        assert_eq!(&l[..], &[1.0, 0.25, -1.0, 10.5]);
+        let sp = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut h = History::new(&[2], &sp);
+        h.push(0);
+        let l = processed_logits(&logits, &sp, &h);
+        // Positive logits are divided, negative ones multiplied; the prompt counts.
+        assert_eq!(&l[..], &[1.0, 1.0, -2.0, 0.5]);
+        // Nothing set: the row is borrowed untouched.
+        let sp = SamplingParams::default();
+        assert!(matches!(
+            processed_logits(&logits, &sp, &History::new(&[1], &sp)),
+            std::borrow::Cow::Borrowed(_)
+        ));
+    }
+
+    #[test]
+    fn greedy_follows_the_processed_logits_and_min_p_cuts_the_tail() {
+        let logits = vec![3.0, 2.9, 0.0];
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            frequency_penalty: 1.0,
+            ..Default::default()
+        };
+        let mut h = History::default();
+        assert!(matches!(target_dist(&logits, &greedy, &h), Dist::Greedy(0)));
+        h.push(0);
+        assert!(matches!(target_dist(&logits, &greedy, &h), Dist::Greedy(1)));
+        let banned = SamplingParams {
+            temperature: 0.0,
+            logit_bias: vec![(0, -100.0), (1, -100.0)],
+            ..Default::default()
+        };
+        assert!(matches!(
+            target_dist(&logits, &banned, &History::default()),
+            Dist::Greedy(2)
+        ));
+        // exp(-3) = 0.05 of the top token's weight: below min_p 0.1, kept at 0.01.
+        for (min_p, kept) in [(0.1, false), (0.01, true)] {
+            let sp = SamplingParams {
+                min_p,
+                ..Default::default()
+            };
+            let Dist::Probs(p) = target_dist(&logits, &sp, &History::default()) else {
+                panic!()
+            };
+            assert_eq!(p[2] > 0.0, kept, "min_p {min_p}");
+            assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn a_block_position_is_judged_after_the_drafts_before_it() {
+        let rows = vec![vec![1.0, 0.0], vec![1.0, 0.0], vec![1.0, 0.0]];
+        let sp = SamplingParams {
+            temperature: 0.0,
+            presence_penalty: 2.0,
+            ..Default::default()
+        };
+        // Draft [0, 1]: row 0 sees nothing, row 1 sees token 0 (penalised: argmax 1), row 2
+        // sees both (both penalised: argmax 0 again).
+        let d = block_dists(&rows, &sp, &History::default(), &[0, 1]);
+        let argmax: Vec<u32> = d
+            .iter()
+            .map(|d| d.sample(&mut ChaCha8Rng::seed_from_u64(0)))
+            .collect();
+        assert_eq!(argmax, vec![0, 1, 0]);
     }
 }

@@ -239,9 +239,31 @@ fn invalid_requests_get_openai_errors() {
     );
     assert_eq!(code, 404);
     assert_eq!(e["error"]["code"], "model_not_found");
-    let (code, e) = post(&s.base, "/v1/chat/completions", chat("x", json!({"n": 2})));
-    assert_eq!(code, 400);
-    assert_eq!(e["error"]["param"], "n");
+    for (extra, param) in [
+        (json!({"n": 0}), "n"),
+        (json!({"n": 17}), "n"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -3}), "frequency_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"min_p": 1.5}), "min_p"),
+        (json!({"logit_bias": {"hello": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+    ] {
+        let (code, e) = post(&s.base, "/v1/chat/completions", chat("x", extra.clone()));
+        assert_eq!(code, 400, "{extra}: {e}");
+        assert_eq!(e["error"]["param"], param, "{extra}: {e}");
+    }
+    let (code, e) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "smollm2", "prompt": [[1, 2], [3, -4]]}),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("prompt 1"),
+        "{e}"
+    );
     let (code, e) = post(
         &s.base,
         "/v1/chat/completions",
@@ -454,4 +476,189 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
         let m = metrics_text(&s);
         assert!(metric(&m, "dspark_spec_decode_num_draft_tokens_total") > 0.0);
     }
+}
+
+/// `n` choices and several prompts: every choice is its own sequence (index `p * n + k`),
+/// a seed makes each choice reproducible and the choices differ, usage counts each prompt
+/// once, and the streamed choices carry the same text as the collected ones.
+#[test]
+fn n_choices_and_several_prompts() {
+    let s = server();
+    let body = json!({"model": "smollm2", "prompt": ["The capital of France is", "Once upon a time"],
+                      "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 7});
+    let (code, a) = post(&s.base, "/v1/completions", body.clone());
+    assert_eq!(code, 200, "{a}");
+    let choices = a["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert!(
+        texts[0] != texts[1] || texts[1] != texts[2],
+        "three samples of one prompt are identical: {texts:?}"
+    );
+    let (_, b) = post(&s.base, "/v1/completions", body.clone());
+    let again: Vec<&str> = b["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, again, "seeded choices repeat");
+    let first_prompt_tokens = {
+        let (_, one) = post(
+            &s.base,
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 1}),
+        );
+        one["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let second_prompt_tokens = {
+        let (_, one) = post(
+            &s.base,
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1}),
+        );
+        one["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(
+        a["usage"]["prompt_tokens"].as_u64().unwrap(),
+        first_prompt_tokens + second_prompt_tokens
+    );
+    // A prompt given as token ids is the same prompt.
+    let (_, ids) = post(&s.base, "/tokenize", json!({"prompt": "Once upon a time"}));
+    let (code, by_ids) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "smollm2", "prompt": ids["tokens"], "max_tokens": 12, "temperature": 1.0, "seed": 7}),
+    );
+    assert_eq!(code, 200, "{by_ids}");
+    assert_eq!(by_ids["choices"][0]["text"], choices[3]["text"]);
+    let completion: u64 = choices
+        .iter()
+        .map(|c| {
+            if c["finish_reason"] == "length" {
+                12
+            } else {
+                0
+            }
+        })
+        .sum();
+    assert!(a["usage"]["completion_tokens"].as_u64().unwrap() >= completion);
+    // Streaming interleaves the choices; per index the text is the collected one.
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
+    let events = sse(&s.base, "/v1/completions", stream_body);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut streamed = vec![String::new(); 6];
+    let mut finished = vec![0; 6];
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(u) = v.get("usage") {
+            usage = Some(u.clone());
+            continue;
+        }
+        let c = &v["choices"][0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        streamed[i].push_str(c["text"].as_str().unwrap());
+        if !c["finish_reason"].is_null() {
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(streamed, texts);
+    assert_eq!(finished, vec![1; 6]);
+    assert_eq!(
+        usage.unwrap()["completion_tokens"],
+        a["usage"]["completion_tokens"]
+    );
+    // Chat with n = 2 (greedy: both choices are the one greedy answer).
+    let (code, c) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "Say hi.",
+            json!({"n": 2, "max_tokens": 8, "temperature": 0}),
+        ),
+    );
+    assert_eq!(code, 200, "{c}");
+    assert_eq!(c["choices"][1]["index"], 1);
+    assert_eq!(c["choices"][0]["message"], c["choices"][1]["message"]);
+}
+
+/// `logit_bias` and the penalties change what is generated: banning the greedy first token
+/// gives another one, and strong presence / frequency penalties stop a prompt that makes the
+/// model repeat itself from being repeated. `/tokenize` gives the ids to bias.
+#[test]
+fn logit_bias_and_penalties_steer_the_output() {
+    let s = server();
+    let prompt = "1, 1, 1, 1, 1, 1, 1, 1,";
+    let ask = |extra: Value| {
+        let mut body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": 16,
+                              "temperature": 0, "logprobs": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (code, r) = post(&s.base, "/v1/completions", body);
+        assert_eq!(code, 200, "{r}");
+        r["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect::<Vec<String>>()
+    };
+    let plain = ask(json!({}));
+    let tokenize = |text: String| -> Vec<u64> {
+        let (code, r) = post(
+            &s.base,
+            "/tokenize",
+            json!({"model": "smollm2", "prompt": text}),
+        );
+        assert_eq!(code, 200, "{r}");
+        assert_eq!(
+            r["count"].as_u64().unwrap() as usize,
+            r["tokens"].as_array().unwrap().len()
+        );
+        r["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let base = tokenize(prompt.to_string());
+    let with_first = tokenize(format!("{prompt}{}", plain[0]));
+    assert_eq!(
+        with_first.len(),
+        base.len() + 1,
+        "{:?} vs {base:?}",
+        with_first
+    );
+    let first_id = with_first[base.len()];
+    let (_, d) = post(&s.base, "/detokenize", json!({"tokens": [first_id]}));
+    assert_eq!(d["prompt"], plain[0].as_str());
+    let banned = ask(json!({"logit_bias": {first_id.to_string(): -100}}));
+    assert_ne!(banned[0], plain[0], "a -100 bias did not ban the token");
+    assert!(!banned.contains(&plain[0]), "{banned:?}");
+    let most_repeated = |t: &[String]| {
+        t.iter()
+            .map(|x| t.iter().filter(|y| *y == x).count())
+            .max()
+            .unwrap_or(0)
+    };
+    assert!(
+        most_repeated(&plain) >= 4,
+        "the prompt should make the model repeat: {plain:?}"
+    );
+    let penalised = ask(json!({"frequency_penalty": 2.0, "presence_penalty": 2.0}));
+    assert!(
+        most_repeated(&penalised) <= 2,
+        "penalties did not stop the repetition: {plain:?} vs {penalised:?}"
+    );
 }

@@ -98,6 +98,26 @@ fn run_cfg(
     String,
     std::sync::Arc<dspark_engine::server::AppState>,
 ) {
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    run_cfg_params(cfg, prompts, max_tokens, drafter, table, &greedy)
+}
+
+/// [`run_cfg`] with every request sampled under `params`.
+fn run_cfg_params(
+    cfg: EngineConfig,
+    prompts: &[String],
+    max_tokens: usize,
+    drafter: Option<std::path::PathBuf>,
+    table: Option<&dyn Fn(&str) -> String>,
+    params: &SamplingParams,
+) -> (
+    Outputs,
+    String,
+    std::sync::Arc<dspark_engine::server::AppState>,
+) {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -134,10 +154,7 @@ fn run_cfg(
             .engine
             .submit(GenRequest {
                 prompt,
-                params: SamplingParams {
-                    temperature: 0.0,
-                    ..Default::default()
-                },
+                params: params.clone(),
                 max_tokens,
                 stop: vec![],
                 logprobs: None,
@@ -452,4 +469,60 @@ fn policy_experiment_alternates_arms_losslessly() {
     // Drafts were verified under the speculating arms.
     let drafted: usize = spec.iter().map(|r| r.2).sum();
     assert!(drafted > 0, "no arm drafted");
+}
+
+/// Penalties and a logit bias make each position's target law depend on the tokens before
+/// it, the draft tokens verified before it in the same block included. Greedy output under
+/// speculation (n-gram and the shipped drafter, fixed blocks) is plain decoding's, token for
+/// token, and the penalties visibly changed that output.
+#[test]
+fn greedy_with_penalties_and_bias_is_lossless() {
+    let (prompts, max_tokens) = (first_prompts(20), 32);
+    let params = SamplingParams {
+        temperature: 0.0,
+        presence_penalty: 1.5,
+        frequency_penalty: 0.5,
+        repetition_penalty: 1.1,
+        // Discourage a newline and a space-prefixed "the" (SmolLM2 ids), favour a comma.
+        logit_bias: vec![(198, -3.0), (260, -2.0), (28, 1.0)],
+        ..Default::default()
+    };
+    let plain_cfg = EngineConfig::default();
+    let (plain, _, _) = run_cfg_params(plain_cfg, &prompts, max_tokens, None, None, &params);
+    let unpenalised = plain_run(&prompts, max_tokens);
+    let changed = plain
+        .iter()
+        .zip(&unpenalised)
+        .filter(|(a, b)| a.0 != b.0)
+        .count();
+    assert!(
+        changed >= prompts.len() / 2,
+        "penalties changed only {changed} outputs"
+    );
+    // Penalised text rarely repeats itself, so n-gram drafts are mostly rejected.
+    for (speculation, gamma, drafter, min_accepted) in [
+        (Speculation::Ngram, 4, None, 1),
+        (Speculation::DSparkMarkov, 3, Some(shipped_drafter()), 20),
+        (Speculation::DSparkMarkov, 7, Some(shipped_drafter()), 20),
+    ] {
+        let cfg = EngineConfig {
+            speculation,
+            policy: VerifyPolicy::Fixed { gamma },
+            ..Default::default()
+        };
+        let (spec, _, _) = run_cfg_params(cfg, &prompts, max_tokens, drafter, None, &params);
+        for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+            assert_eq!(
+                a.0, b.0,
+                "{speculation:?} gamma {gamma}: prompt {i} differs"
+            );
+        }
+        let accepted: usize = spec.iter().map(|r| r.3).sum();
+        let drafted: usize = spec.iter().map(|r| r.2).sum();
+        println!("{speculation:?} gamma {gamma}: {accepted} of {drafted} draft tokens accepted");
+        assert!(
+            accepted >= min_accepted,
+            "{speculation:?}: only {accepted} drafts accepted"
+        );
+    }
 }

@@ -73,5 +73,38 @@ def test_errors_surface_as_openai_exceptions(client):
         client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=100000)
     assert "maximum context length" in str(e.value)
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], n=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], n=99)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}],
+                                       presence_penalty=3)
+    assert e.value.body["param"] == "presence_penalty"
+
+
+def test_n_choices_penalties_and_logit_bias(client):
+    """The parameters LangChain and other SDKs send: n, penalties, logit_bias (and vLLM's
+    min_p / repetition_penalty as extra_body)."""
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=8,
+        n=3,
+        seed=11,
+        temperature=1.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"28": -100},
+        extra_body={"min_p": 0.05, "repetition_penalty": 1.1},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.message.content for c in r.choices)
+    assert 3 <= r.usage.completion_tokens <= 24
+    # Streaming: every choice ends once.
+    ends = {}
+    for chunk in client.completions.create(model="smollm2", prompt=["Hello", "Goodbye"], n=2, max_tokens=4,
+                                           temperature=0.7, seed=3, stream=True):
+        for c in chunk.choices:
+            if c.finish_reason:
+                ends[c.index] = ends.get(c.index, 0) + 1
+    assert ends == {0: 1, 1: 1, 2: 1, 3: 1}

@@ -30,7 +30,7 @@ use crate::experiment::Experiment;
 use crate::kv::KvCache;
 use crate::metrics::Metrics;
 use crate::model::{Model, SeqBatch};
-use crate::sampling::{target_probs, Dist};
+use crate::sampling::{block_dists, target_dist};
 pub use crate::speculative::speculator::Drafter;
 use crate::speculative::speculator::{Candidate, Speculator, Verified};
 use crate::speculative::{verify::verify, Proposal, Speculation};
@@ -314,6 +314,7 @@ impl Engine {
                 tokens: &s.tokens,
                 cap: c.1,
                 params: &s.req.params,
+                history: &s.history,
                 rng: &mut s.rng,
             });
         }
@@ -402,14 +403,12 @@ impl Engine {
             row += sb.num_logits;
             let (commit, accepted) = match &pl.proposal {
                 None => {
-                    let tok = target_probs(&rows[0], &s.req.params).sample(&mut s.rng);
+                    let tok = target_dist(&rows[0], &s.req.params, &s.history).sample(&mut s.rng);
                     (vec![tok], 0)
                 }
                 Some(p) => {
-                    let dists: Vec<Dist> = rows
-                        .iter()
-                        .map(|r| target_probs(r, &s.req.params))
-                        .collect();
+                    // Each position is judged after the draft tokens before it.
+                    let dists = block_dists(rows, &s.req.params, &s.history, &p.tokens);
                     let v = verify(&p.tokens, &p.q, &dists, &mut s.rng);
                     (v.tokens, v.accepted)
                 }

@@ -16,6 +16,7 @@ pub(super) fn emit_token(
     tokz: &TextTokenizer,
 ) -> Option<FinishReason> {
     s.tokens.push(tok);
+    s.history.push(tok);
     let mut lps = Vec::new();
     if let Some(k) = s.req.logprobs {
         let (lp, top) = logprobs(logits, tok, k);

@@ -1,6 +1,7 @@
 //! One sequence's state while it is in the engine.
 
 use super::request::GenRequest;
+use crate::sampling::History;
 use crate::tokenizer::StreamDecoder;
 use dspark_telemetry::TRACE_TARGET;
 use rand::SeedableRng;
@@ -16,6 +17,8 @@ pub(super) struct Seq {
     pub cached: usize,
     pub blocks: Vec<u32>,
     pub rng: ChaCha8Rng,
+    /// What the request's penalties read (the generated tokens, the prompt's when needed).
+    pub history: History,
     pub decoder: StreamDecoder,
     /// Generated text so far (cut at a stop string).
     pub text: String,
@@ -43,6 +46,7 @@ impl Seq {
             cached: 0,
             blocks: Vec::new(),
             rng: ChaCha8Rng::seed_from_u64(seed),
+            history: History::new(&req.prompt, &req.params),
             decoder: StreamDecoder::default(),
             text: String::new(),
             sent: 0,

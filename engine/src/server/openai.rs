@@ -1,8 +1,9 @@
-//! OpenAI wire types for `/v1/chat/completions`, `/v1/completions` and `/v1/models`, and
-//! their validation into engine requests.
+//! OpenAI wire types for `/v1/chat/completions`, `/v1/completions` and `/v1/models`
+//! (requests and responses), and the validation of requests into engine settings.
 
 use super::error::ApiError;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -16,6 +17,33 @@ impl StringOrVec {
         match self {
             StringOrVec::One(s) => vec![s],
             StringOrVec::Many(v) => v,
+        }
+    }
+}
+
+/// A completions prompt: text, several texts, token ids, or several token-id lists.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i64>),
+    TokenLists(Vec<Vec<i64>>),
+}
+
+/// One prompt of a request, before tokenizing.
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<i64>),
+}
+
+impl PromptInput {
+    pub fn into_prompts(self) -> Vec<Prompt> {
+        match self {
+            PromptInput::Text(s) => vec![Prompt::Text(s)],
+            PromptInput::Texts(v) => v.into_iter().map(Prompt::Text).collect(),
+            PromptInput::Tokens(t) => vec![Prompt::Tokens(t)],
+            PromptInput::TokenLists(v) => v.into_iter().map(Prompt::Tokens).collect(),
         }
     }
 }
@@ -63,6 +91,12 @@ pub struct CommonParams {
     pub n: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Token id (as a string, OpenAI's form) -> bias added to its logit.
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// Extension (vLLM): drop tokens below `min_p` times the most likely one's probability.
+    pub min_p: Option<f32>,
+    /// Extension (vLLM, Hugging Face): penalise tokens already in the prompt or output.
+    pub repetition_penalty: Option<f32>,
     /// Extension (as in vLLM): keep generating past end-of-sequence tokens.
     #[serde(default)]
     pub ignore_eos: bool,
@@ -79,7 +113,7 @@ pub struct ChatRequest {
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
-    pub prompt: StringOrVec,
+    pub prompt: PromptInput,
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
@@ -87,9 +121,16 @@ pub struct CompletionRequest {
     pub common: CommonParams,
 }
 
+/// Most choices (`n`) one request may ask for.
+pub const MAX_N: usize = 16;
+/// Most prompts in one `/v1/completions` request.
+pub const MAX_PROMPTS: usize = 64;
+
 /// Validated sampling and length settings.
 pub struct Validated {
     pub params: crate::sampling::SamplingParams,
+    /// Choices per prompt.
+    pub n: usize,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -97,28 +138,58 @@ pub struct Validated {
     pub ignore_eos: bool,
 }
 
-pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
+/// Checks the parameters both endpoints share; `vocab_size` bounds `logit_bias` ids.
+pub fn validate_common(c: &CommonParams, vocab_size: usize) -> Result<Validated, ApiError> {
     let bad = |param: &str, msg: String| Err(ApiError::invalid(param, msg));
-    if let Some(n) = c.n {
-        if n != 1 {
-            return bad(
-                "n",
-                format!("n={n} is not supported; this server returns one choice per request (n=1)"),
-            );
-        }
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_N as i64).contains(&n) {
+        return bad("n", format!("n must be between 1 and {MAX_N}, got {n}"));
     }
     for (name, v) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
     ] {
         if let Some(v) = v {
-            if v != 0.0 {
-                return bad(
-                    name,
-                    format!("{name} is not supported (got {v}); omit it or send 0"),
-                );
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(name, format!("{name} must be between -2 and 2, got {v}"));
             }
         }
+    }
+    let repetition_penalty = c.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty <= 2.0) {
+        return bad(
+            "repetition_penalty",
+            format!("repetition_penalty must be in (0, 2], got {repetition_penalty}"),
+        );
+    }
+    let min_p = c.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return bad(
+            "min_p",
+            format!("min_p must be between 0 and 1, got {min_p}"),
+        );
+    }
+    let mut logit_bias = Vec::new();
+    for (k, &b) in c.logit_bias.iter().flatten() {
+        let Ok(id) = k.parse::<u32>() else {
+            return bad(
+                "logit_bias",
+                format!("logit_bias keys must be token ids, got '{k}'"),
+            );
+        };
+        if id as usize >= vocab_size {
+            return bad(
+                "logit_bias",
+                format!("logit_bias token id {id} is out of the vocabulary (size {vocab_size})"),
+            );
+        }
+        if !(-100.0..=100.0).contains(&b) {
+            return bad(
+                "logit_bias",
+                format!("logit_bias values must be between -100 and 100, got {b} for token {id}"),
+            );
+        }
+        logit_bias.push((id, b));
     }
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) || temperature.is_nan() {
@@ -168,7 +239,13 @@ pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
             top_p,
             top_k: top_k.max(0) as usize,
             seed: c.seed,
+            min_p,
+            presence_penalty: c.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty,
+            logit_bias,
         },
+        n: n as usize,
         max_tokens: max_tokens.map(|m| m as usize),
         stop,
         stream: c.stream,
@@ -177,11 +254,108 @@ pub fn validate_common(c: &CommonParams) -> Result<Validated, ApiError> {
     })
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Default, Clone)]
 pub struct UsageOut {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// Extension: draft tokens sent to verification and how many the target accepted.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
+}
+
+/// `/v1/chat/completions` answer.
+#[derive(Debug, Serialize)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: UsageOut,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+/// One streamed `chat.completion.chunk`.
+#[derive(Debug, Serialize)]
+pub struct ChatChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageOut>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_logprobs: Option<Vec<ChatTokenLogprob>>,
+}
+
+/// `/v1/completions` answer (and, with `stream`, each chunk: same object).
+#[derive(Debug, Serialize)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageOut>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CompletionChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<BTreeMap<String, f32>>,
 }
 
 #[derive(Debug, Serialize)]

@@ -36,7 +36,7 @@ use crate::kv::KvCache;
 use crate::model::attention::{AttnSeq, PagedAttention};
 use crate::model::Linear;
 use crate::model::{Model, ModelConfig};
-use crate::sampling::{target_probs, Dist, SamplingParams};
+use crate::sampling::{edit_logits, target_probs, Dist, History, SamplingParams};
 use crate::speculative::recalibrate::OnlineCalibration;
 pub use crate::speculative::Proposal;
 use anyhow::{bail, Context, Result};
@@ -353,6 +353,10 @@ pub struct DraftRequest<'a> {
     /// Draft tokens wanted, `1..=block_size`.
     pub gamma: usize,
     pub params: &'a SamplingParams,
+    /// The tokens the request's penalties read (its generated tokens); `None`: the drafter
+    /// ignores penalties (the verification stays lossless either way; this only helps the
+    /// drafts get accepted).
+    pub history: Option<&'a History>,
     pub rng: &'a mut ChaCha8Rng,
     /// The context feature of position `anchor_pos - 1` as returned by the last
     /// [`DSparkDrafter::append_context`]; required when the config has `context_input`.
@@ -1240,6 +1244,17 @@ impl DSparkDrafter {
                 if let Some(bias) = &step.bias {
                     for (l, b) in logits.iter_mut().zip(&bias[i * vd..(i + 1) * vd]) {
                         *l += b;
+                    }
+                }
+                if r.params.edits_logits() {
+                    // The request's bias and penalties, after this block's drafts so far.
+                    let mut h = r.history.cloned().unwrap_or_default();
+                    for &t in &blocks[i].tokens {
+                        h.push(t);
+                    }
+                    match &self.sub_vocab {
+                        Some(v) => edit_logits(&mut logits, r.params, &h, |t| v.position(t)),
+                        None => edit_logits(&mut logits, r.params, &h, |t| Some(t as usize)),
                     }
                 }
                 let q = target_probs(&logits, r.params);

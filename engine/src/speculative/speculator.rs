@@ -71,6 +71,8 @@ pub struct Candidate<'a> {
     /// Most draft tokens it may verify this step.
     pub cap: usize,
     pub params: &'a SamplingParams,
+    /// What the request's penalties read.
+    pub history: &'a crate::sampling::History,
     pub rng: &'a mut ChaCha8Rng,
 }
 
@@ -550,6 +552,7 @@ impl Speculator {
                 block_table: &st.draft_blocks,
                 gamma: gamma[i],
                 params: c.params,
+                history: Some(c.history),
                 rng: &mut *c.rng,
                 last_context: st.draft_ctx.as_ref(),
             });

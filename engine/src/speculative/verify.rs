@@ -158,7 +158,27 @@ mod tests {
         n: usize,
         len: usize,
     ) -> (f64, usize) {
-        let v = target.table.len();
+        let law = |seq: &[u32]| {
+            let mut p = 1.0f64;
+            let mut prev = 0u32;
+            for &t in seq {
+                p *= target.table[prev as usize][t as usize] as f64;
+                prev = t;
+            }
+            p
+        };
+        chi_square_law(&law, target.table.len(), counts, n, len)
+    }
+
+    /// Chi-square statistic of observed counts of `len`-token sequences over `v` tokens
+    /// against `law` (infinite when a sequence of probability 0 was drawn).
+    fn chi_square_law(
+        law: &dyn Fn(&[u32]) -> f64,
+        v: usize,
+        counts: &HashMap<Vec<u32>, usize>,
+        n: usize,
+        len: usize,
+    ) -> (f64, usize) {
         let mut chi = 0.0;
         let mut cells = 0;
         let total = v.pow(len as u32);
@@ -169,14 +189,15 @@ mod tests {
                 seq.push((x % v) as u32);
                 x /= v;
             }
-            let mut p = 1.0f64;
-            let mut prev = 0u32;
-            for &t in &seq {
-                p *= target.table[prev as usize][t as usize] as f64;
-                prev = t;
-            }
-            let expected = p * n as f64;
+            let expected = law(&seq) * n as f64;
             let observed = *counts.get(&seq).unwrap_or(&0) as f64;
+            if expected == 0.0 {
+                if observed > 0.0 {
+                    // A sequence the law never produces: no statistic can pass.
+                    return (f64::INFINITY, cells);
+                }
+                continue;
+            }
             chi += (observed - expected).powi(2) / expected;
             cells += 1;
         }
@@ -268,6 +289,120 @@ mod tests {
         }
         let (chi, dof) = chi_square(&target, &counts, n, 3);
         assert!(chi > dof as f64 + 5.0 * (2.0 * dof as f64).sqrt());
+    }
+
+    /// Sampling settings whose law depends on every earlier token; `truncate` adds min-p
+    /// and top-p.
+    fn penalised(truncate: bool) -> crate::sampling::SamplingParams {
+        let (min_p, top_p) = if truncate { (0.004, 0.97) } else { (0.0, 1.0) };
+        crate::sampling::SamplingParams {
+            temperature: 0.9,
+            presence_penalty: 0.8,
+            frequency_penalty: 0.5,
+            repetition_penalty: 1.4,
+            logit_bias: vec![(2, 1.5), (5, -0.7)],
+            min_p,
+            top_p,
+            ..Default::default()
+        }
+    }
+
+    fn logits(target: &Bigram, prev: u32) -> Vec<f32> {
+        target.table[prev as usize].iter().map(|p| p.ln()).collect()
+    }
+
+    /// The exact law of `seq` after prompt `[0]` with penalised sampling.
+    fn penalised_law(target: &Bigram, sp: &crate::sampling::SamplingParams, seq: &[u32]) -> f64 {
+        let mut h = crate::sampling::History::new(&[0], sp);
+        let (mut p, mut prev) = (1.0f64, 0u32);
+        for &t in seq {
+            p *= crate::sampling::target_dist(&logits(target, prev), sp, &h).prob(t) as f64;
+            h.push(t);
+            prev = t;
+        }
+        p
+    }
+
+    /// [`speculative`] with penalties: the verify block's target distributions come from
+    /// `block_dists` (the engine's rule), or, with `stale`, every position is judged by the
+    /// history before the block (the bug engines have shipped).
+    fn speculative_penalised(
+        target: &Bigram,
+        draft: &Bigram,
+        gamma: usize,
+        len: usize,
+        sp: &crate::sampling::SamplingParams,
+        stale: bool,
+        rng: &mut ChaCha8Rng,
+    ) -> Vec<u32> {
+        let mut h = crate::sampling::History::new(&[0], sp);
+        let mut out: Vec<u32> = Vec::new();
+        let mut last = 0u32;
+        while out.len() < len {
+            let (mut ys, mut qs, mut prev) = (Vec::new(), Vec::new(), last);
+            for _ in 0..gamma {
+                let q = draft.dist(prev);
+                let y = q.sample(rng);
+                ys.push(y);
+                qs.push(q);
+                prev = y;
+            }
+            let mut rows = vec![logits(target, last)];
+            rows.extend(ys.iter().map(|&y| logits(target, y)));
+            let ps = if stale {
+                rows.iter()
+                    .map(|r| crate::sampling::target_dist(r, sp, &h))
+                    .collect()
+            } else {
+                crate::sampling::block_dists(&rows, sp, &h, &ys)
+            };
+            for t in verify(&ys, &qs, &ps, rng).tokens {
+                if out.len() < len {
+                    out.push(t);
+                    h.push(t);
+                    last = t;
+                }
+            }
+        }
+        out
+    }
+
+    fn penalised_chi(truncate: bool, stale: bool, n: usize) -> (f64, f64) {
+        let target = Bigram::new(6, 11, 3.0);
+        let draft = Bigram::new(6, 11, 2.5);
+        let sp = penalised(truncate);
+        let mut rng = ChaCha8Rng::seed_from_u64(77);
+        let mut counts: HashMap<Vec<u32>, usize> = HashMap::new();
+        for _ in 0..n {
+            let seq = speculative_penalised(&target, &draft, 3, 3, &sp, stale, &mut rng);
+            *counts.entry(seq).or_default() += 1;
+        }
+        let law = |seq: &[u32]| penalised_law(&target, &sp, seq);
+        let (chi, dof) = chi_square_law(&law, 6, &counts, n, 3);
+        (chi, dof as f64 + 5.0 * (2.0 * dof as f64).sqrt())
+    }
+
+    /// Presence, frequency and repetition penalties, logit bias, min-p and top-p together:
+    /// speculative sampling follows the penalised target law when each block position is
+    /// judged after the drafts before it.
+    #[test]
+    fn sampling_with_penalties_and_bias_is_lossless() {
+        for truncate in [false, true] {
+            let (chi, bound) = penalised_chi(truncate, false, 120_000);
+            println!("penalised (truncate {truncate}): chi2 = {chi:.1} (bound {bound:.1})");
+            assert!(
+                chi < bound,
+                "truncate {truncate}: chi2 {chi:.1} > {bound:.1}"
+            );
+        }
+    }
+
+    /// The same statistic catches the stale-history rule.
+    #[test]
+    fn the_test_detects_penalties_that_ignore_the_block() {
+        let (chi, bound) = penalised_chi(false, true, 60_000);
+        println!("stale penalties: chi2 = {chi:.1} (bound {bound:.1})");
+        assert!(chi > bound, "chi2 {chi:.1} <= {bound:.1}");
     }
 
     #[test]

@@ -149,6 +149,7 @@ pub fn generate(
                         block_table: &dtable,
                         gamma: g,
                         params: &params,
+                        history: None,
                         rng: &mut rng,
                         last_context: last_ctx.as_ref(),
                     }];

@@ -167,6 +167,7 @@ fn training_forward_matches_serving_propose() {
             block_table: &table,
             gamma: GAMMA,
             params: &params,
+            history: None,
             rng: &mut srng,
             last_context: last.as_ref(),
         }];

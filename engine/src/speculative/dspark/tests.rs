@@ -109,6 +109,7 @@ fn draft(
             block_table: &s.table,
             gamma: s.gamma,
             params,
+            history: None,
             rng,
             last_context: s.last_ctx.as_ref(),
         })
@@ -372,6 +373,7 @@ fn backbone_matches_dense(context_input: bool) {
             block_table: &s.table,
             gamma: s.gamma,
             params: &params,
+            history: None,
             rng,
             last_context: s.last_ctx.as_ref(),
         })
@@ -742,6 +744,7 @@ fn invalid_requests_are_clear_errors() {
             block_table: table,
             gamma,
             params: &params,
+            history: None,
             rng: &mut rng,
             last_context: s.last_ctx.as_ref(),
         }];
@@ -766,6 +769,7 @@ fn invalid_requests_are_clear_errors() {
         block_table: &s.table,
         gamma: GAMMA,
         params: &params,
+        history: None,
         rng: &mut ChaCha8Rng::seed_from_u64(0),
         last_context: None,
     }];

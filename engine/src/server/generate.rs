@@ -1,0 +1,257 @@
+//! The response path both generation endpoints share: a request's prompts times `n`
+//! choices are submitted to the engine as separate sequences, then either collected into
+//! one answer or streamed as SSE chunks (choices interleaved as their tokens come, each
+//! ending with its finish reason, then the usage chunk when asked for, then `[DONE]`).
+//! The endpoints only say how a chunk and an answer look ([`Render`]).
+
+use super::error::ApiError;
+use super::openai::{UsageOut, Validated};
+use super::{AppState, InflightGuard};
+use crate::engine::{Event, GenRequest, SubmitError, TokenLogprob, Usage};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::{Stream, StreamExt};
+use serde::Serialize;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+/// One tokenized prompt of a request, its length checked.
+pub struct PromptIds {
+    pub ids: Vec<u32>,
+    pub max_tokens: usize,
+}
+
+/// A finished choice (non-streaming).
+pub struct Finished {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub reason: &'static str,
+}
+
+/// How an endpoint renders its wire objects.
+pub trait Render: Send + 'static {
+    type Chunk: Serialize;
+    type Answer: Serialize;
+    /// New text (and logprobs, when asked for) of choice `index`; `first`: its first chunk.
+    fn delta(
+        &mut self,
+        index: usize,
+        text: String,
+        logprobs: Option<Vec<TokenLogprob>>,
+        first: bool,
+    ) -> Self::Chunk;
+    /// Choice `index` ended.
+    fn finish(&mut self, index: usize, reason: &'static str) -> Self::Chunk;
+    /// The closing usage chunk (`stream_options.include_usage`).
+    fn usage(&mut self, usage: UsageOut) -> Self::Chunk;
+    /// The whole answer.
+    fn answer(self, choices: Vec<Finished>, usage: UsageOut) -> Self::Answer;
+}
+
+/// Checks that `ids` and its completion fit the model's context.
+pub fn check_length(
+    st: &AppState,
+    ids: Vec<u32>,
+    max_tokens: Option<usize>,
+) -> Result<PromptIds, ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    let room = st.max_seq.saturating_sub(ids.len());
+    let max_tokens = max_tokens.unwrap_or(room);
+    if ids.len() + max_tokens > st.max_seq || room == 0 {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Shorten the prompt or lower max_tokens.",
+                st.max_seq,
+                ids.len() + max_tokens,
+                ids.len(),
+                max_tokens
+            ),
+        ));
+    }
+    Ok(PromptIds { ids, max_tokens })
+}
+
+/// Submits every (prompt, choice) of a request and answers it: SSE when `v.stream`, one
+/// JSON answer otherwise. Choice `p * n + k` is the `k`th sample of prompt `p`; with a
+/// seed, it samples with `seed + k` (choices differ, and repeat).
+pub async fn respond<R: Render>(
+    st: &Arc<AppState>,
+    prompts: Vec<PromptIds>,
+    v: Validated,
+    logprobs: Option<usize>,
+    span: tracing::Span,
+    operation: &'static str,
+    render: R,
+) -> Result<Response, ApiError> {
+    if st.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable(
+            "the server is shutting down; retry on another replica",
+        ));
+    }
+    st.inflight.fetch_add(1, Ordering::SeqCst);
+    let guard = InflightGuard(st.clone());
+    let several = prompts.len() * v.n > 1;
+    let prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
+    let mut rxs = Vec::with_capacity(prompts.len() * v.n);
+    for p in &prompts {
+        for k in 0..v.n {
+            let mut params = v.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(k as u64));
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            // With several choices each gets its own child span (the engine records a
+            // sequence's usage on its span).
+            let seq_span = if several {
+                super::request_span_with_parent(st, operation, &span)
+            } else {
+                span.clone()
+            };
+            st.engine
+                .submit(GenRequest {
+                    prompt: p.ids.clone(),
+                    params,
+                    max_tokens: p.max_tokens,
+                    stop: v.stop.clone(),
+                    logprobs,
+                    ignore_eos: v.ignore_eos,
+                    events: tx,
+                    arrived: Instant::now(),
+                    span: seq_span,
+                    operation,
+                })
+                .map_err(|e| match e {
+                    SubmitError::QueueFull(_) => {
+                        st.metrics.requests_rejected.inc();
+                        ApiError::overloaded(e.to_string())
+                    }
+                    SubmitError::Stopped => ApiError::unavailable(e.to_string()),
+                })?;
+            rxs.push(rx);
+        }
+    }
+    if v.stream {
+        let stream = sse(rxs, guard, render, prompt_tokens, v.include_usage);
+        return Ok(Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response());
+    }
+    let results = futures::future::join_all(rxs.into_iter().map(collect)).await;
+    drop(guard);
+    let mut usage = UsageOut {
+        prompt_tokens,
+        ..Default::default()
+    };
+    let mut choices = Vec::with_capacity(results.len());
+    for (index, r) in results.into_iter().enumerate() {
+        let (text, lps, reason, u) = r?;
+        add_usage(&mut usage, &u);
+        choices.push(Finished {
+            index,
+            text,
+            logprobs: lps,
+            reason,
+        });
+    }
+    Ok(Json(render.answer(choices, usage)).into_response())
+}
+
+fn add_usage(total: &mut UsageOut, u: &Usage) {
+    total.completion_tokens += u.completion_tokens;
+    total.total_tokens = total.prompt_tokens + total.completion_tokens;
+    total.draft_tokens += u.draft_tokens;
+    total.accepted_draft_tokens += u.accepted_draft_tokens;
+}
+
+/// Collects one whole generation.
+async fn collect(
+    mut rx: UnboundedReceiver<Event>,
+) -> Result<(String, Vec<TokenLogprob>, &'static str, Usage), ApiError> {
+    let mut text = String::new();
+    let mut lps = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Delta { text: t, logprobs } => {
+                text.push_str(&t);
+                lps.extend(logprobs);
+            }
+            Event::Finished { reason, usage } => return Ok((text, lps, reason.as_str(), usage)),
+            Event::Error(e) => return Err(ApiError::internal(e)),
+        }
+    }
+    Err(ApiError::internal("the engine dropped the request"))
+}
+
+fn frame<T: Serialize>(v: &T) -> SseEvent {
+    SseEvent::default().data(serde_json::to_string(v).unwrap_or_default())
+}
+
+/// The merged event streams of every choice as SSE frames, ending with `[DONE]`.
+fn sse<R: Render>(
+    rxs: Vec<UnboundedReceiver<Event>>,
+    guard: InflightGuard,
+    mut render: R,
+    prompt_tokens: usize,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let choices = rxs.len();
+    let merged = futures::stream::select_all(
+        rxs.into_iter()
+            .enumerate()
+            .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))),
+    );
+    let mut first = vec![true; choices];
+    let mut open = choices;
+    let mut usage = UsageOut {
+        prompt_tokens,
+        total_tokens: prompt_tokens,
+        ..Default::default()
+    };
+    let mut done = false;
+    merged
+        .map(move |(i, ev)| {
+            let _hold = &guard;
+            let mut out = Vec::new();
+            if done {
+                return out;
+            }
+            match ev {
+                Event::Delta { text, logprobs } => {
+                    let lp = (!logprobs.is_empty()).then_some(logprobs);
+                    out.push(frame(&render.delta(i, text, lp, first[i])));
+                    first[i] = false;
+                }
+                Event::Finished { reason, usage: u } => {
+                    if first[i] {
+                        out.push(frame(&render.delta(i, String::new(), None, true)));
+                        first[i] = false;
+                    }
+                    out.push(frame(&render.finish(i, reason.as_str())));
+                    add_usage(&mut usage, &u);
+                    open -= 1;
+                    if open == 0 {
+                        if include_usage {
+                            out.push(frame(&render.usage(usage.clone())));
+                        }
+                        out.push(SseEvent::default().data("[DONE]"));
+                        done = true;
+                    }
+                }
+                Event::Error(e) => {
+                    out.push(frame(&ApiError::internal(e).body()));
+                    out.push(SseEvent::default().data("[DONE]"));
+                    done = true;
+                }
+            }
+            out
+        })
+        .take_while(|out| futures::future::ready(!out.is_empty()))
+        .flat_map(|out| futures::stream::iter(out.into_iter().map(Ok)))
+}
