@@ -6,8 +6,14 @@
 //! The model never owns the cache: a forward gets each sequence's block table (a view) and
 //! writes the new keys/values into the slots it names. Sequences of any length therefore run
 //! in one batched forward, and a finished or cancelled sequence returns its blocks at once.
+//! Blocks are handed out by [`blocks::BlockPool`], which also caches full prefix blocks by
+//! content (automatic prefix caching) when [`KvCache::enable_prefix_cache`] turned it on.
+
+pub mod blocks;
 
 use anyhow::{bail, Result};
+use blocks::BlockPool;
+pub use blocks::{Chain, PrefixStats};
 use candle_core::{DType, Device, Tensor};
 
 pub struct KvCache {
@@ -17,7 +23,7 @@ pub struct KvCache {
     /// Per layer `[num_blocks * block_size, kv_dim]` of `dtype`.
     pub k: Vec<Tensor>,
     pub v: Vec<Tensor>,
-    free: Vec<u32>,
+    pool: BlockPool,
     dtype: DType,
 }
 
@@ -82,7 +88,7 @@ impl KvCache {
             kv_dim,
             k,
             v,
-            free: (0..num_blocks as u32).rev().collect(),
+            pool: BlockPool::new(num_blocks, block_size),
             dtype,
         })
     }
@@ -111,8 +117,9 @@ impl KvCache {
     pub fn total_blocks(&self) -> usize {
         self.num_blocks
     }
+    /// Blocks an allocation can take (free, or cached prefix blocks it may evict).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.pool.available()
     }
     pub fn capacity_tokens(&self) -> usize {
         self.num_blocks * self.block_size
@@ -125,26 +132,70 @@ impl KvCache {
     /// has too few free blocks.
     pub fn ensure(&mut self, table: &mut Vec<u32>, tokens: usize) -> bool {
         let need = self.blocks_for(tokens);
-        if need <= table.len() {
-            return true;
-        }
-        let extra = need - table.len();
-        if extra > self.free.len() {
-            return false;
-        }
-        for _ in 0..extra {
-            table.push(self.free.pop().expect("checked free count"));
-        }
-        true
+        self.pool.ensure(table, need)
     }
 
     /// Shrinks `table` to the blocks needed for `tokens` positions (rollback of rejected
     /// draft tokens, or release with `tokens = 0`).
     pub fn truncate(&mut self, table: &mut Vec<u32>, tokens: usize) {
         let keep = self.blocks_for(tokens);
-        while table.len() > keep {
-            self.free.push(table.pop().expect("len checked"));
-        }
+        self.pool.truncate(table, keep);
+    }
+
+    /// Turns automatic prefix caching on; `salt` names the model and anything else that
+    /// changes a block's contents for the same tokens (the cache dtype is added here).
+    pub fn enable_prefix_cache(&mut self, salt: &str) {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&(salt, format!("{:?}", self.dtype)), &mut h);
+        self.pool.enable_prefix_cache(std::hash::Hasher::finish(&h));
+    }
+
+    pub fn prefix_cache(&self) -> bool {
+        self.pool.prefix_cache()
+    }
+
+    /// The cached blocks `tokens` starts with (key, block), at least one token left over.
+    pub fn lookup_prefix(&self, tokens: &[u32]) -> Vec<(u64, u32)> {
+        self.pool.lookup(tokens)
+    }
+
+    /// The leading run of `keys` this cache holds (a drafter cache keyed by the target's).
+    pub fn lookup_keys(&self, keys: &[u64]) -> Vec<u32> {
+        self.pool.lookup_hashes(keys)
+    }
+
+    /// A new block table starting with the shared `blocks` (references taken).
+    pub fn share(&mut self, blocks: &[u32]) -> Vec<u32> {
+        self.pool.acquire(blocks)
+    }
+
+    /// Registers the full blocks of `table` below `committed` positions; the new keys.
+    pub fn register(
+        &mut self,
+        table: &[u32],
+        tokens: &[u32],
+        committed: usize,
+        chain: &mut Chain,
+    ) -> Vec<u64> {
+        self.pool.register(table, tokens, committed, chain)
+    }
+
+    /// Registers `table[index]` under the key `key` computed by another cache.
+    pub fn register_key(&mut self, table: &[u32], index: usize, key: u64) {
+        self.pool.register_hash(table, index, key)
+    }
+
+    /// Prefix-cache counters.
+    pub fn prefix_stats(&mut self) -> &mut PrefixStats {
+        &mut self.pool.stats
+    }
+    /// Cached (unreferenced, reusable) blocks.
+    pub fn cached_blocks(&self) -> usize {
+        self.pool.cached()
+    }
+    /// Registered blocks (in use or cached).
+    pub fn registered_blocks(&self) -> usize {
+        self.pool.registered()
     }
 
     /// Slot index of logical position `pos` in a sequence with block table `table`.
