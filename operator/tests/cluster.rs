@@ -93,18 +93,30 @@ async fn install_crds(client: &Client) {
     }
 }
 
-async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+async fn wait_for<T, F, Fut>(what: &str, f: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    for _ in 0..120 {
+    wait_up_to(what, Duration::from_secs(60), f).await
+}
+
+/// [`wait_for`] with a deadline of its own.
+async fn wait_up_to<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
         if let Some(v) = f().await {
             return v;
         }
+        if Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting for {what}");
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    panic!("timed out waiting for {what}");
 }
 
 /// A fresh namespace `{base}-{unique}` (namespaces of earlier runs may still be terminating).
@@ -1307,5 +1319,235 @@ async fn advisory_mode_records_the_decision_and_changes_nothing() {
     for t in engine.tasks {
         t.abort();
     }
+    drop_namespace(&client, &ns).await;
+}
+
+/// The operator-made objects of each pool-level kind in `ns` (Deployments, Services,
+/// PodDisruptionBudgets, ConfigMaps), each checked to be owned by the deployment with `uid`.
+async fn pool_objects(client: &Client, ns: &str, uid: &str) -> [Vec<String>; 4] {
+    [
+        managed::<Deployment>(client, ns, uid).await,
+        managed::<Service>(client, ns, uid).await,
+        managed::<PodDisruptionBudget>(client, ns, uid).await,
+        managed::<ConfigMap>(client, ns, uid).await,
+    ]
+}
+
+fn expected_pool_objects(dsd: &str, pools: &[&str]) -> [Vec<String>; 4] {
+    let names = |suffix: &str| -> Vec<String> {
+        pools.iter().map(|p| format!("{dsd}-{p}{suffix}")).collect()
+    };
+    let mut services = names("");
+    services.push(dsd.to_string());
+    services.sort();
+    [names(""), services, names(""), names("-cost-table")]
+}
+
+/// Renaming a pool (a100 -> l4) deletes the old pool's Deployment, Service,
+/// PodDisruptionBudget and ConfigMap in the reconcile that sees the change (they are gone when
+/// its status observes the new generation) and creates the new pool's; the other pool's
+/// objects and the deployment Service stay, and so does an object that carries the
+/// deployment's labels but not its owner reference.
+#[tokio::test]
+async fn renaming_a_pool_prunes_the_old_pools_objects() {
+    let Some((client, ns)) = test_env("renaming_a_pool_prunes", "dspark-it-prune").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let stray: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": "qwen3-8b-a100-notes",
+            "labels": {
+                "serving.dspark.dev/deployment": "qwen3-8b",
+                "serving.dspark.dev/pool": "a100",
+            },
+        },
+        "data": {"who": "not the operator"},
+    }))
+    .unwrap();
+    cms.create(&PostParams::default(), &stray).await.unwrap();
+    let handle = run_controller(&client, &ns);
+    let dsd = dsds
+        .create(&PostParams::default(), &two_pools())
+        .await
+        .unwrap();
+    let uid = dsd.uid().unwrap();
+    let before = expected_pool_objects("qwen3-8b", &["a100", "h100"]);
+    wait_for("both pools' objects", || {
+        let (client, ns, uid, before) = (client.clone(), ns.clone(), uid.clone(), &before);
+        async move { (pool_objects(&client, &ns, &uid).await == *before).then_some(()) }
+    })
+    .await;
+
+    let mut pools = dsd.spec.pools.clone();
+    assert_eq!(pools[1].name, "a100");
+    pools[1].name = "l4".into();
+    let patched = dsds
+        .patch(
+            "qwen3-8b",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "pools": pools } })),
+        )
+        .await
+        .unwrap();
+    let generation = patched.metadata.generation;
+    wait_for("the status to observe the rename", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("qwen3-8b").await.ok()?.status?;
+            (s.observed_generation == generation).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        pool_objects(&client, &ns, &uid).await,
+        expected_pool_objects("qwen3-8b", &["h100", "l4"]),
+        "the reconcile that saw the rename left the old pool's objects (or lacks the new pool's)"
+    );
+    let s = dsds.get("qwen3-8b").await.unwrap().status.unwrap();
+    let names: Vec<&str> = s.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["h100", "l4"]);
+    assert!(
+        cms.get_opt("qwen3-8b-a100-notes").await.unwrap().is_some(),
+        "a ConfigMap the deployment does not own was pruned"
+    );
+
+    // Removing a pool outright prunes it the same way.
+    let patched = dsds
+        .patch(
+            "qwen3-8b",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "pools": [pools[0]] } })),
+        )
+        .await
+        .unwrap();
+    let generation = patched.metadata.generation;
+    wait_for("the status to observe the removal", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("qwen3-8b").await.ok()?.status?;
+            (s.observed_generation == generation).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        pool_objects(&client, &ns, &uid).await,
+        expected_pool_objects("qwen3-8b", &["h100"])
+    );
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+fn owner_uids(o: &impl ResourceExt) -> Vec<String> {
+    let mut uids: Vec<String> = o.owner_references().iter().map(|r| r.uid.clone()).collect();
+    uids.sort();
+    uids
+}
+
+/// Two deployments share a cost table (same model, engine version and node type) and its
+/// profiling Job. When one moves to a new engine version, only its owner reference leaves
+/// the old table, which lives on for the other; when the other follows, nothing references
+/// the old table any more: it is deleted, and its profiling Job with it.
+#[tokio::test]
+async fn a_new_engine_version_releases_the_old_cost_table_and_its_profiling_job() {
+    let Some((client, ns)) = test_env("stale_cost_tables", "dspark-it-stale").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let a = sample("dsparkdeployment-smollm2.yaml");
+    let mut b = a.clone();
+    b.metadata.name = Some("smollm2-b".into());
+    let a_uid = dsds
+        .create(&PostParams::default(), &a)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let b_uid = dsds
+        .create(&PostParams::default(), &b)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let mut both = vec![a_uid.clone(), b_uid.clone()];
+    both.sort();
+
+    let old = wait_for("one cost table owned by both, with a profiling Job", || {
+        let (cts, both) = (cts.clone(), both.clone());
+        async move {
+            let list = cts.list(&ListParams::default()).await.ok()?.items;
+            (list.len() == 1).then_some(())?;
+            let c = list.into_iter().next()?;
+            (owner_uids(&c) == both && c.status.as_ref()?.job.is_some()).then_some(c)
+        }
+    })
+    .await;
+    let old_name = old.name_any();
+    let old_job = old.status.unwrap().job.unwrap();
+    assert!(jobs.get_opt(&old_job).await.unwrap().is_some());
+
+    let bump = |name: &'static str| {
+        let dsds = dsds.clone();
+        async move {
+            dsds.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": { "engine": { "version": "0.2.0" } } })),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    bump("smollm2").await;
+    wait_for("the old table to be owned by smollm2-b only", || {
+        let (cts, name, b_uid) = (cts.clone(), old_name.clone(), b_uid.clone());
+        async move {
+            let c = cts.get_opt(&name).await.ok()??;
+            (owner_uids(&c) == [b_uid]).then_some(())
+        }
+    })
+    .await;
+    let new = wait_for("a table of engine 0.2.0 owned by smollm2", || {
+        let (cts, a_uid) = (cts.clone(), a_uid.clone());
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|c| c.spec.engine_version == "0.2.0" && owner_uids(c).contains(&a_uid))
+        }
+    })
+    .await;
+    assert_ne!(new.name_any(), old_name);
+    // Still in use by smollm2-b: the old table and its Job stay.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(cts.get_opt(&old_name).await.unwrap().is_some());
+    assert!(jobs.get_opt(&old_job).await.unwrap().is_some());
+
+    bump("smollm2-b").await;
+    wait_for("the old table to be deleted", || {
+        let (cts, name) = (cts.clone(), old_name.clone());
+        async move { cts.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    wait_for("the old profiling Job to be collected", || {
+        let (jobs, name) = (jobs.clone(), old_job.clone());
+        async move { jobs.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    wait_for("the new table to be owned by both", || {
+        let (cts, name, both) = (cts.clone(), new.name_any(), both.clone());
+        async move {
+            let c = cts.get_opt(&name).await.ok()??;
+            (owner_uids(&c) == both).then_some(())
+        }
+    })
+    .await;
+    handle.abort();
     drop_namespace(&client, &ns).await;
 }

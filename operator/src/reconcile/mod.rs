@@ -7,6 +7,7 @@
 pub mod costs;
 pub mod pool;
 pub mod profiling;
+pub mod prune;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -163,13 +164,17 @@ where
 {
     let api: Api<K> = Api::namespaced(client.clone(), ns);
     let name = obj.meta().name.clone().unwrap_or_default();
-    Ok(api
-        .patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(obj),
-        )
-        .await?)
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: K::kind(&()).into(),
+        name,
+        source,
+    })
 }
 
 async fn publish(
@@ -524,6 +529,41 @@ async fn reconcile_inner(
         apply::<PodDisruptionBudget>(client, &ns, &pool::pool_pdb(dsd, p)).await?;
     }
     apply::<Service>(client, &ns, &pool::deployment_service(dsd)).await?;
+
+    // What the spec no longer names: objects of removed or renamed pools, cost tables of
+    // keys no pool uses any more.
+    let pruned = prune::pool_objects(client, &ns, dsd).await?;
+    if !pruned.is_empty() {
+        info!(objects = ?pruned, "pruned");
+        publish(
+            ctx,
+            dsd,
+            EventType::Normal,
+            "Pruned",
+            format!(
+                "deleted what the spec no longer names: {}",
+                pruned.join(", ")
+            ),
+        )
+        .await;
+    }
+    for released in prune::cost_tables(client, &ns, dsd).await? {
+        let note = match &released {
+            prune::Released::Kept(t) => {
+                format!("cost table {t} is no longer used by this deployment; other deployments keep it")
+            }
+            prune::Released::Deleted(t) => format!(
+                "cost table {t} is no longer used by any deployment: deleted with its profiling Jobs"
+            ),
+        };
+        info!("{note}");
+        publish(ctx, dsd, EventType::Normal, "CostTableReleased", note).await;
+    }
+    let pool_names: Vec<&str> = spec.pools.iter().map(|p| p.name.as_str()).collect();
+    ctx.metrics.retain_pools(&object_key(dsd), &pool_names);
+    rt.observations
+        .retain(|k, _| pool_names.contains(&k.as_str()));
+    rt.breached.retain(|k, _| pool_names.contains(&k.as_str()));
 
     // Push stored tables to ready pods that do not hold them yet.
     let alive: Vec<String> = views
