@@ -1551,3 +1551,181 @@ async fn a_new_engine_version_releases_the_old_cost_table_and_its_profiling_job(
     handle.abort();
     drop_namespace(&client, &ns).await;
 }
+
+const DENIED: &str = "no Services in this namespace (dspark test policy)";
+
+/// A ValidatingAdmissionPolicy (and its binding) refusing every Service in namespace `ns`.
+async fn deny_services(client: &Client, ns: &str) -> String {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let name = format!("{ns}-no-services");
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": ["services"],
+            }]},
+            "validations": [{"expression": "false", "message": DENIED}],
+        },
+    }))
+    .unwrap();
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": ns,
+            }}},
+        },
+    }))
+    .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    // In force once the apiserver has loaded it: a dry-run Service is refused.
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    let probe: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "probe"},
+        "spec": {"ports": [{"port": 80}]},
+    }))
+    .unwrap();
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    wait_for("the policy to refuse Services", || {
+        let (services, probe, dry) = (services.clone(), probe.clone(), dry.clone());
+        async move {
+            match services.create(&dry, &probe).await {
+                Err(kube::Error::Api(e)) if e.message.contains(DENIED) => Some(()),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    name
+}
+
+async fn allow_services(client: &Client, name: &str) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
+/// An apply the apiserver refuses (an admission policy denies Services) makes the deployment
+/// `Stalled` (kstatus: True, with the apiserver's message, on the observed generation) and
+/// emits a Warning Event with that message; once the policy is gone a reconcile succeeds, the
+/// Service exists, `Stalled` is cleared and a Normal Event says so.
+#[tokio::test]
+async fn a_refused_apply_stalls_the_deployment_with_the_apiservers_message_until_it_succeeds() {
+    let Some((client, ns)) = test_env("refused_apply_stalls", "dspark-it-stalled").await else {
+        return;
+    };
+    let policy = deny_services(&client, &ns).await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    dsds.create(
+        &PostParams::default(),
+        &sample("dsparkdeployment-smollm2.yaml"),
+    )
+    .await
+    .unwrap();
+
+    let (d, stalled) = wait_for("the Stalled condition", || {
+        let dsds = dsds.clone();
+        async move {
+            let d = dsds.get("smollm2").await.ok()?;
+            let c = d
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Stalled" && c.status == "True")?
+                .clone();
+            Some((d, c))
+        }
+    })
+    .await;
+    eprintln!("Stalled: {}: {}", stalled.reason, stalled.message);
+    assert_eq!(stalled.reason, "ApplyFailed", "{stalled:?}");
+    assert!(stalled.message.contains(DENIED), "{}", stalled.message);
+    assert!(
+        stalled.message.contains("Service smollm2-a100"),
+        "{}",
+        stalled.message
+    );
+    // kstatus reads Stalled only from a status that observed the object's generation.
+    let generation = d.metadata.generation;
+    assert_eq!(d.status.as_ref().unwrap().observed_generation, generation);
+    assert_eq!(stalled.observed_generation, generation);
+
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let find_event = |reason: &'static str, type_: &'static str| {
+        let events = events.clone();
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.type_.as_deref() == Some(type_)
+                        && e.involved_object.name.as_deref() == Some("smollm2")
+                })
+        }
+    };
+    let warning = wait_for("a Warning Event", || find_event("ApplyFailed", "Warning")).await;
+    assert!(
+        warning
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .contains(DENIED),
+        "{warning:?}"
+    );
+
+    allow_services(&client, &policy).await;
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    wait_up_to(
+        "Stalled to clear after the policy is gone",
+        Duration::from_secs(120),
+        || {
+            let (dsds, services) = (dsds.clone(), services.clone());
+            async move {
+                let s = dsds.get("smollm2").await.ok()?.status?;
+                let stalled = s
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Stalled" && c.status == "True");
+                let svc = services.get_opt("smollm2").await.ok()?;
+                (!stalled && svc.is_some()).then_some(())
+            }
+        },
+    )
+    .await;
+    wait_for("a Normal Event for the recovery", || {
+        find_event("Reconciled", "Normal")
+    })
+    .await;
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}

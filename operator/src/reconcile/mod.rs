@@ -149,9 +149,52 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
         }
         Err(e) => {
             tracing::Span::current().record("error", tracing::field::display(e));
+            let before = ctx
+                .failures
+                .lock()
+                .expect("failures lock")
+                .get(&key)
+                .copied()
+                .unwrap_or(0);
+            report_failure(&dsd, &ctx, e, before + 1).await;
         }
     }
     result
+}
+
+/// Makes a failed reconcile visible: a Warning Event with the error (the apiserver's message
+/// for a refused request), and `Stalled=True` in the status when the error needs someone to
+/// act (a refusal) or has lasted [`status::STALL_AFTER`] reconciles in a row.
+async fn report_failure(dsd: &DSparkDeployment, ctx: &Context, e: &Error, failures: u32) {
+    let reason = e.reason();
+    let message = e.to_string();
+    publish(ctx, dsd, EventType::Warning, reason, message.clone()).await;
+    if e.is_transient() && failures < status::STALL_AFTER {
+        return;
+    }
+    let Some(ns) = dsd.namespace() else { return };
+    let old = dsd.status.clone().unwrap_or_default();
+    let now = profiling::rfc3339(k8s_openapi::jiff::Timestamp::now());
+    let new = status::stalled(&old, dsd.metadata.generation, reason, &message, &now);
+    if new == old {
+        return;
+    }
+    let api: Api<DSparkDeployment> = Api::namespaced(ctx.client.clone(), &ns);
+    let patch = serde_json::json!({
+        "apiVersion": DSparkDeployment::api_version(&()),
+        "kind": DSparkDeployment::kind(&()),
+        "status": new,
+    });
+    if let Err(e) = api
+        .patch_status(
+            &dsd.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        warn!("could not record the Stalled condition: {e}");
+    }
 }
 
 async fn apply<K>(client: &kube::Client, ns: &str, obj: &K) -> Result<K>
@@ -623,6 +666,19 @@ async fn reconcile_inner(
         old: &old,
     });
     if dsd.status.as_ref() != Some(&new) {
+        if let Some(c) = status::stalled_condition(&old) {
+            publish(
+                ctx,
+                dsd,
+                EventType::Normal,
+                "Reconciled",
+                format!(
+                    "reconcile succeeded; no longer stalled (was {}: {})",
+                    c.reason, c.message
+                ),
+            )
+            .await;
+        }
         for (t, ok, reason, message) in status::transitions(&old, &new) {
             let type_ = if !ok && t != "Scaling" {
                 EventType::Warning

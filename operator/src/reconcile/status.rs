@@ -332,6 +332,50 @@ fn metrics_condition(i: &StatusInput<'_>) -> Condition {
     }
 }
 
+/// kstatus' "abnormal-true" condition: True while reconciles fail (reason and message say
+/// why); absent once one succeeds ([`build`] never carries it).
+pub const STALLED: &str = "Stalled";
+
+/// Consecutive failures after which even a transient error stalls the deployment.
+pub const STALL_AFTER: u32 = 3;
+
+/// The status after a failed reconcile: `old` with `Stalled=True` (`reason`, `message`) for
+/// `generation`, everything else as it was. `status.observedGeneration` moves to
+/// `generation` too: the operator has seen this generation and is stuck on it, which is
+/// what kstatus needs to read the deployment as failed rather than still in progress. The
+/// transition time stays while the deployment stays stalled.
+pub fn stalled(
+    old: &DSparkDeploymentStatus,
+    generation: Option<i64>,
+    reason: &str,
+    message: &str,
+    now: &str,
+) -> DSparkDeploymentStatus {
+    let mut s = old.clone();
+    s.observed_generation = generation;
+    let mut c = condition(
+        STALLED,
+        Some(true),
+        reason,
+        message.chars().take(4096).collect(),
+    );
+    c.observed_generation = generation;
+    c.last_transition_time = match old.conditions.iter().find(|o| o.type_ == STALLED) {
+        Some(o) if o.status == "True" => o.last_transition_time.clone(),
+        _ => Time(now.parse().expect("reconcile time is RFC 3339")),
+    };
+    s.conditions.retain(|o| o.type_ != STALLED);
+    s.conditions.push(c);
+    s
+}
+
+/// The `Stalled=True` condition of a status, if it has one.
+pub fn stalled_condition(s: &DSparkDeploymentStatus) -> Option<&Condition> {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == STALLED && c.status == "True")
+}
+
 /// Conditions whose status changed: `(type, now true, reason, message)`, for events.
 pub fn transitions(
     old: &DSparkDeploymentStatus,
@@ -440,6 +484,68 @@ mod tests {
         assert!(transitions(&s1, &s2).is_empty());
         let t = transitions(&old, &s1);
         assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn a_failure_stalls_and_a_success_clears_it() {
+        let mut d = sample();
+        d.metadata.generation = Some(7);
+        let pools = vec![view("h100", 1, 1, Some(1))];
+        let (observations, breached) = (BTreeMap::new(), BTreeMap::new());
+        let empty = DSparkDeploymentStatus::default();
+        let input = |now, old| StatusInput {
+            dsd: &d,
+            pools: &pools,
+            observations: &observations,
+            breached: &breached,
+            last_decision: None,
+            evaluated: false,
+            now,
+            old,
+        };
+        let mut ok = build(&input("2026-11-29T10:00:00Z", &empty));
+        ok.observed_generation = Some(6);
+        let s1 = stalled(
+            &ok,
+            Some(7),
+            "ApplyFailed",
+            "applying Service x: denied",
+            "2026-11-29T10:01:00Z",
+        );
+        // Everything else as it was; the condition on the generation it is stuck on.
+        assert_eq!(s1.observed_generation, Some(7));
+        assert_eq!(s1.conditions.len(), ok.conditions.len() + 1);
+        assert_eq!(s1.pools, ok.pools);
+        let c = stalled_condition(&s1).unwrap();
+        assert_eq!(
+            (c.reason.as_str(), c.observed_generation),
+            ("ApplyFailed", Some(7))
+        );
+        assert_eq!(c.message, "applying Service x: denied");
+        // Still stalled later, same error: nothing changes (no write).
+        let s2 = stalled(
+            &s1,
+            Some(7),
+            "ApplyFailed",
+            "applying Service x: denied",
+            "2026-11-29T10:05:00Z",
+        );
+        assert_eq!(s1, s2);
+        // Another error: reason and message follow, the transition time stays.
+        let s3 = stalled(
+            &s2,
+            Some(7),
+            "APIError",
+            "forbidden",
+            "2026-11-29T10:06:00Z",
+        );
+        let c3 = stalled_condition(&s3).unwrap();
+        assert_eq!(c3.reason, "APIError");
+        assert_eq!(c3.last_transition_time, c.last_transition_time);
+        // A successful reconcile drops it.
+        let s4 = build(&input("2026-11-29T10:07:00Z", &s3));
+        assert!(stalled_condition(&s4).is_none());
+        assert!(s4.conditions.iter().all(|c| c.type_ != STALLED));
     }
 
     #[test]
