@@ -1729,3 +1729,76 @@ async fn a_refused_apply_stalls_the_deployment_with_the_apiservers_message_until
     handle.abort();
     drop_namespace(&client, &ns).await;
 }
+
+/// Names the owned objects could not carry are refused at admission, with a message naming
+/// the field: a deployment name that is no DNS-1035 label (it names the deployment's
+/// Service), a pool name that is none (part of the pool's Service name), a node type that is
+/// no label value (the engine pods' node selector). The longest names allowed are accepted.
+#[tokio::test]
+async fn names_that_cannot_become_object_names_are_refused_naming_the_field() {
+    let Some((client, ns)) = test_env("names_refused", "dspark-it-names").await else {
+        return;
+    };
+    let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let base = sample("dsparkdeployment-smollm2.yaml");
+    let with = |f: &dyn Fn(&mut DSparkDeployment)| {
+        let mut d = base.clone();
+        f(&mut d);
+        d
+    };
+    let longest = with(&|d| {
+        d.metadata.name = Some(format!("m{}", "0".repeat(39)));
+        d.spec.pools[0].name = format!("p{}", "-a".repeat(9) + "z");
+    });
+    assert_eq!(longest.metadata.name.as_ref().unwrap().len(), 40);
+    assert_eq!(longest.spec.pools[0].name.len(), 20);
+    api.create(&dry, &longest)
+        .await
+        .unwrap_or_else(|e| panic!("the longest names were refused: {e}"));
+    let cases = [
+        (
+            "a leading digit in the name",
+            with(&|d| d.metadata.name = Some("8b-model".into())),
+            "metadata.name must be a DNS-1035 label",
+        ),
+        (
+            "a dot in the name",
+            with(&|d| d.metadata.name = Some("smollm2.q4".into())),
+            "metadata.name must be a DNS-1035 label",
+        ),
+        (
+            "a dot in a pool name",
+            with(&|d| d.spec.pools[0].name = "qwen3.8b".into()),
+            "spec.pools[].name must be a DNS-1035 label",
+        ),
+        (
+            "a leading digit in a pool name",
+            with(&|d| d.spec.pools[0].name = "8b".into()),
+            "spec.pools[].name must be a DNS-1035 label",
+        ),
+        (
+            "a space in a node type",
+            with(&|d| d.spec.pools[0].node_type = "a100 80gb".into()),
+            "spec.pools[].nodeType must be a label value",
+        ),
+    ];
+    for (what, obj, expect) in cases {
+        match api.create(&dry, &obj).await {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{what}: {e}");
+                assert!(
+                    e.message.contains(expect),
+                    "{what}: expected '{expect}' in '{}'",
+                    e.message
+                );
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+    drop_namespace(&client, &ns).await;
+}
