@@ -1802,3 +1802,159 @@ async fn names_that_cannot_become_object_names_are_refused_naming_the_field() {
     }
     drop_namespace(&client, &ns).await;
 }
+
+/// The condition `type_` of the deployment `name`, if its status has one.
+async fn condition_of(
+    dsds: &Api<DSparkDeployment>,
+    name: &str,
+    type_: &str,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    dsds.get(name)
+        .await
+        .ok()?
+        .status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+}
+
+/// `Available`, `Progressing` and `Ready` follow the pool Deployments as the deployment
+/// controller reports them: one ready replica of one is available, complete and ready; a
+/// scale-up to two keeps `Ready` and `Available` True while the new pod starts
+/// (`Progressing`: RollingOut); a rollout past the Deployment's progress deadline makes
+/// `Progressing` False with reason `RolloutStalled` (and `Ready` False, `Available` still
+/// True: the old pod serves) with the Deployment's message.
+#[tokio::test]
+async fn rollout_conditions_follow_the_pool_deployments() {
+    let Some((client, ns)) = test_env("rollout_conditions", "dspark-it-rollout").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.replicas = Some(1);
+    dsd.spec.profiling.enabled = false;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let first = engine_pod(&pods, "a100", |_| true).await;
+    make_ready(&client, &ns, &first.name_any(), "127.1.77.5").await;
+
+    let state = |d: &Api<DSparkDeployment>| {
+        let d = d.clone();
+        async move {
+            let get = |t: &'static str| {
+                let d = d.clone();
+                async move {
+                    condition_of(&d, "smollm2", t)
+                        .await
+                        .map(|c| (c.status, c.reason))
+                }
+            };
+            (
+                get("Ready").await,
+                get("Available").await,
+                get("Progressing").await,
+            )
+        }
+    };
+    let t = |s: &str, r: &str| Some((s.to_string(), r.to_string()));
+    wait_for("one replica of one ready", || {
+        let (dsds, t) = (dsds.clone(), &t);
+        async move {
+            let s = state(&dsds).await;
+            (s == (
+                t("True", "AllReplicasReady"),
+                t("True", "MinimumReplicasAvailable"),
+                t("True", "RolloutComplete"),
+            ))
+                .then_some(())
+        }
+    })
+    .await;
+
+    // A normal scale-up: the new pod is not ready yet; the deployment stays Ready.
+    dsds.patch_scale(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "replicas": 2 } })),
+    )
+    .await
+    .unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    wait_for("the second pod", || {
+        let pods = pods.clone();
+        async move {
+            let n = pods
+                .list(&ListParams::default().labels("serving.dspark.dev/pool=a100"))
+                .await
+                .ok()?
+                .items
+                .len();
+            (n == 2).then_some(())
+        }
+    })
+    .await;
+    wait_for("Progressing: RollingOut", || {
+        let (dsds, t) = (dsds.clone(), &t);
+        async move {
+            let s = state(&dsds).await;
+            (s.2 == t("True", "RollingOut")).then_some(s)
+        }
+    })
+    .await;
+    for _ in 0..6 {
+        let (ready, available, _) = state(&dsds).await;
+        assert_eq!(
+            ready.as_ref().map(|r| r.0.as_str()),
+            Some("True"),
+            "Ready flipped on a scale-up: {ready:?}"
+        );
+        assert_eq!(available, t("True", "MinimumReplicasAvailable"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let status = dsds.get("smollm2").await.unwrap().status.unwrap();
+    assert_eq!((status.ready_replicas, status.desired_replicas), (1, 2));
+
+    // A rollout (new engine env: a new pod template) that cannot finish within the
+    // Deployment's progress deadline (1 s, set by someone else; the operator's apply leaves
+    // the field alone): the rollout is stalled, the old pod still serves.
+    deployments
+        .patch(
+            "smollm2-a100",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "progressDeadlineSeconds": 1 } })),
+        )
+        .await
+        .unwrap();
+    dsds.patch(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "engine": {
+            "env": [{"name": "DSPARK_ROLLOUT", "value": "2"}],
+        } } })),
+    )
+    .await
+    .unwrap();
+    let c = wait_for("Progressing: RolloutStalled", || {
+        let dsds = dsds.clone();
+        async move {
+            let c = condition_of(&dsds, "smollm2", "Progressing").await?;
+            (c.status == "False" && c.reason == "RolloutStalled").then_some(c)
+        }
+    })
+    .await;
+    assert!(
+        c.message.contains("a100") && c.message.contains("progress"),
+        "{}",
+        c.message
+    );
+    let ready = condition_of(&dsds, "smollm2", "Ready").await.unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "RolloutStalled")
+    );
+    let available = condition_of(&dsds, "smollm2", "Available").await.unwrap();
+    assert_eq!(available.status, "True", "{available:?}");
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}

@@ -393,6 +393,31 @@ async fn reconcile_inner(
                 .unwrap_or(0),
             ready_pods: costs::ready_pods(&pods.items),
             desired: 0,
+            min: p.min_replicas,
+            updated: current
+                .as_ref()
+                .and_then(|d| d.status.as_ref()?.updated_replicas)
+                .unwrap_or(0),
+            observed: current.as_ref().is_some_and(|d| {
+                d.status.as_ref().and_then(|s| s.observed_generation) >= d.metadata.generation
+            }),
+            rollout_stalled: current.as_ref().and_then(|d| {
+                d.status
+                    .as_ref()?
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .find(|c| {
+                        c.type_.as_deref() == Some("Progressing")
+                            && c.status.as_deref() == Some("False")
+                            && c.reason.as_deref() == Some("ProgressDeadlineExceeded")
+                    })
+                    .map(|c| {
+                        c.message
+                            .clone()
+                            .unwrap_or_else(|| "progress deadline exceeded".into())
+                    })
+            }),
         });
         tables.push(table);
     }
