@@ -43,6 +43,7 @@ use serde::{Deserialize, Serialize};
     printcolumn(name = "SLO", type_ = "string", json_path = ".status.sloStatus", description = "Met, Breached or Unknown"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     validation = Rule::new("self.metadata.name.size() <= 40").message("metadata.name must be at most 40 characters (owned objects append the pool name)"),
+    validation = Rule::new("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter, ending with a letter or digit): it names the deployment's Service"),
 )]
 #[x_kube(
     validation = Rule::new("self.pools.all(p, self.pools.exists_one(q, q.name == p.name))").message("spec.pools: pool names must be unique"),
@@ -155,14 +156,18 @@ pub struct EngineSpec {
 )]
 #[serde(rename_all = "camelCase")]
 pub struct NodePool {
-    /// Pool name (a DNS label), part of the owned objects' names.
+    /// Pool name (a DNS-1035 label), part of the owned objects' names (`{deployment}-{pool}`
+    /// names the pool's Service, at most 61 characters).
     #[schemars(
         length(min = 1, max = 20),
         regex(pattern = r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
     )]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message("spec.pools[].name must be a DNS-1035 label (lower-case letters, digits and '-', starting with a letter, ending with a letter or digit): it is part of the pool's Service name"))]
     pub name: String,
-    /// Value of the `dspark.dev/node-type` node label; keys the pool's cost table.
+    /// Value of the `dspark.dev/node-type` node label (a label value); keys the pool's cost
+    /// table.
     #[schemars(length(min = 1, max = 63))]
+    #[x_kube(validation = Rule::new("self.matches('^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$')").message("spec.pools[].nodeType must be a label value (letters, digits, '-', '_' and '.', starting and ending with a letter or digit): it is the value of the engine pods' dspark.dev/node-type node selector"))]
     pub node_type: String,
     /// Extra node selector terms (the node-type label is always added).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -811,6 +816,53 @@ mod tests {
         assert!(long
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'));
+    }
+
+    /// Names the owned objects could not carry are refused by the CEL rules, naming the field.
+    #[test]
+    fn names_that_cannot_become_object_names_are_refused() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../config/samples/dsparkdeployment-smollm2.yaml"
+        ))
+        .unwrap();
+        let base: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        let refused = |f: &dyn Fn(&mut DSparkDeployment)| -> Vec<String> {
+            let mut d = base.clone();
+            f(&mut d);
+            match kube::core::cel::validate_cel(&d) {
+                Ok(()) => Vec::new(),
+                Err(e) => e.into_vec().into_iter().map(|e| e.message).collect(),
+            }
+        };
+        assert!(refused(&|_| {}).is_empty());
+        assert!(refused(&|d| {
+            d.metadata.name = Some(format!("m{}", "0".repeat(39)));
+            d.spec.pools[0].name = "p-a-a-a-a-a-a-a-a-az".into();
+            d.spec.pools[0].node_type = "NVIDIA-H200_SXM.141GB".into();
+        })
+        .is_empty());
+        for (name, field) in [
+            ("8b-model", "metadata.name"),
+            ("smollm2.q4", "metadata.name"),
+        ] {
+            let m = refused(&|d| d.metadata.name = Some(name.into()));
+            assert!(m.iter().any(|m| m.starts_with(field)), "{name}: {m:?}");
+        }
+        for pool in ["qwen3.8b", "8b", "a100-", "A100"] {
+            let m = refused(&|d| d.spec.pools[0].name = pool.into());
+            assert!(
+                m.iter().any(|m| m.starts_with("spec.pools[].name")),
+                "{pool}: {m:?}"
+            );
+        }
+        for nt in ["a100 80gb", "-a100", "a100/80"] {
+            let m = refused(&|d| d.spec.pools[0].node_type = nt.into());
+            assert!(
+                m.iter().any(|m| m.starts_with("spec.pools[].nodeType")),
+                "{nt}: {m:?}"
+            );
+        }
     }
 
     #[test]

@@ -55,6 +55,14 @@ impl Metrics {
             .insert((deployment.to_string(), pool.to_string()), g);
     }
 
+    /// Forgets the pools of `deployment` not in `pools` (removed or renamed).
+    pub fn retain_pools(&self, deployment: &str, pools: &[&str]) {
+        self.pools
+            .lock()
+            .expect("pool gauges lock")
+            .retain(|(d, p), _| d != deployment || pools.contains(&p.as_str()));
+    }
+
     /// Forgets every pool of a deleted deployment.
     pub fn forget_deployment(&self, deployment: &str) {
         self.pools

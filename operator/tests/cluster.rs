@@ -93,18 +93,30 @@ async fn install_crds(client: &Client) {
     }
 }
 
-async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+async fn wait_for<T, F, Fut>(what: &str, f: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<T>>,
 {
-    for _ in 0..120 {
+    wait_up_to(what, Duration::from_secs(60), f).await
+}
+
+/// [`wait_for`] with a deadline of its own.
+async fn wait_up_to<T, F, Fut>(what: &str, limit: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
         if let Some(v) = f().await {
             return v;
         }
+        if Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting for {what}");
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    panic!("timed out waiting for {what}");
 }
 
 /// A fresh namespace `{base}-{unique}` (namespaces of earlier runs may still be terminating).
@@ -1307,5 +1319,642 @@ async fn advisory_mode_records_the_decision_and_changes_nothing() {
     for t in engine.tasks {
         t.abort();
     }
+    drop_namespace(&client, &ns).await;
+}
+
+/// The operator-made objects of each pool-level kind in `ns` (Deployments, Services,
+/// PodDisruptionBudgets, ConfigMaps), each checked to be owned by the deployment with `uid`.
+async fn pool_objects(client: &Client, ns: &str, uid: &str) -> [Vec<String>; 4] {
+    [
+        managed::<Deployment>(client, ns, uid).await,
+        managed::<Service>(client, ns, uid).await,
+        managed::<PodDisruptionBudget>(client, ns, uid).await,
+        managed::<ConfigMap>(client, ns, uid).await,
+    ]
+}
+
+fn expected_pool_objects(dsd: &str, pools: &[&str]) -> [Vec<String>; 4] {
+    let names = |suffix: &str| -> Vec<String> {
+        pools.iter().map(|p| format!("{dsd}-{p}{suffix}")).collect()
+    };
+    let mut services = names("");
+    services.push(dsd.to_string());
+    services.sort();
+    [names(""), services, names(""), names("-cost-table")]
+}
+
+/// Renaming a pool (a100 -> l4) deletes the old pool's Deployment, Service,
+/// PodDisruptionBudget and ConfigMap in the reconcile that sees the change (they are gone when
+/// its status observes the new generation) and creates the new pool's; the other pool's
+/// objects and the deployment Service stay, and so does an object that carries the
+/// deployment's labels but not its owner reference.
+#[tokio::test]
+async fn renaming_a_pool_prunes_the_old_pools_objects() {
+    let Some((client, ns)) = test_env("renaming_a_pool_prunes", "dspark-it-prune").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let stray: ConfigMap = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": "qwen3-8b-a100-notes",
+            "labels": {
+                "serving.dspark.dev/deployment": "qwen3-8b",
+                "serving.dspark.dev/pool": "a100",
+            },
+        },
+        "data": {"who": "not the operator"},
+    }))
+    .unwrap();
+    cms.create(&PostParams::default(), &stray).await.unwrap();
+    let handle = run_controller(&client, &ns);
+    let dsd = dsds
+        .create(&PostParams::default(), &two_pools())
+        .await
+        .unwrap();
+    let uid = dsd.uid().unwrap();
+    let before = expected_pool_objects("qwen3-8b", &["a100", "h100"]);
+    wait_for("both pools' objects", || {
+        let (client, ns, uid, before) = (client.clone(), ns.clone(), uid.clone(), &before);
+        async move { (pool_objects(&client, &ns, &uid).await == *before).then_some(()) }
+    })
+    .await;
+
+    let mut pools = dsd.spec.pools.clone();
+    assert_eq!(pools[1].name, "a100");
+    pools[1].name = "l4".into();
+    let patched = dsds
+        .patch(
+            "qwen3-8b",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "pools": pools } })),
+        )
+        .await
+        .unwrap();
+    let generation = patched.metadata.generation;
+    wait_for("the status to observe the rename", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("qwen3-8b").await.ok()?.status?;
+            (s.observed_generation == generation).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        pool_objects(&client, &ns, &uid).await,
+        expected_pool_objects("qwen3-8b", &["h100", "l4"]),
+        "the reconcile that saw the rename left the old pool's objects (or lacks the new pool's)"
+    );
+    let s = dsds.get("qwen3-8b").await.unwrap().status.unwrap();
+    let names: Vec<&str> = s.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["h100", "l4"]);
+    assert!(
+        cms.get_opt("qwen3-8b-a100-notes").await.unwrap().is_some(),
+        "a ConfigMap the deployment does not own was pruned"
+    );
+
+    // Removing a pool outright prunes it the same way.
+    let patched = dsds
+        .patch(
+            "qwen3-8b",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "pools": [pools[0]] } })),
+        )
+        .await
+        .unwrap();
+    let generation = patched.metadata.generation;
+    wait_for("the status to observe the removal", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("qwen3-8b").await.ok()?.status?;
+            (s.observed_generation == generation).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(
+        pool_objects(&client, &ns, &uid).await,
+        expected_pool_objects("qwen3-8b", &["h100"])
+    );
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+fn owner_uids(o: &impl ResourceExt) -> Vec<String> {
+    let mut uids: Vec<String> = o.owner_references().iter().map(|r| r.uid.clone()).collect();
+    uids.sort();
+    uids
+}
+
+/// Two deployments share a cost table (same model, engine version and node type) and its
+/// profiling Job. When one moves to a new engine version, only its owner reference leaves
+/// the old table, which lives on for the other; when the other follows, nothing references
+/// the old table any more: it is deleted, and its profiling Job with it.
+#[tokio::test]
+async fn a_new_engine_version_releases_the_old_cost_table_and_its_profiling_job() {
+    let Some((client, ns)) = test_env("stale_cost_tables", "dspark-it-stale").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let a = sample("dsparkdeployment-smollm2.yaml");
+    let mut b = a.clone();
+    b.metadata.name = Some("smollm2-b".into());
+    let a_uid = dsds
+        .create(&PostParams::default(), &a)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let b_uid = dsds
+        .create(&PostParams::default(), &b)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let mut both = vec![a_uid.clone(), b_uid.clone()];
+    both.sort();
+
+    let old = wait_for("one cost table owned by both, with a profiling Job", || {
+        let (cts, both) = (cts.clone(), both.clone());
+        async move {
+            let list = cts.list(&ListParams::default()).await.ok()?.items;
+            (list.len() == 1).then_some(())?;
+            let c = list.into_iter().next()?;
+            (owner_uids(&c) == both && c.status.as_ref()?.job.is_some()).then_some(c)
+        }
+    })
+    .await;
+    let old_name = old.name_any();
+    let old_job = old.status.unwrap().job.unwrap();
+    assert!(jobs.get_opt(&old_job).await.unwrap().is_some());
+
+    let bump = |name: &'static str| {
+        let dsds = dsds.clone();
+        async move {
+            dsds.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": { "engine": { "version": "0.2.0" } } })),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    bump("smollm2").await;
+    wait_for("the old table to be owned by smollm2-b only", || {
+        let (cts, name, b_uid) = (cts.clone(), old_name.clone(), b_uid.clone());
+        async move {
+            let c = cts.get_opt(&name).await.ok()??;
+            (owner_uids(&c) == [b_uid]).then_some(())
+        }
+    })
+    .await;
+    let new = wait_for("a table of engine 0.2.0 owned by smollm2", || {
+        let (cts, a_uid) = (cts.clone(), a_uid.clone());
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|c| c.spec.engine_version == "0.2.0" && owner_uids(c).contains(&a_uid))
+        }
+    })
+    .await;
+    assert_ne!(new.name_any(), old_name);
+    // Still in use by smollm2-b: the old table and its Job stay.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(cts.get_opt(&old_name).await.unwrap().is_some());
+    assert!(jobs.get_opt(&old_job).await.unwrap().is_some());
+
+    bump("smollm2-b").await;
+    wait_for("the old table to be deleted", || {
+        let (cts, name) = (cts.clone(), old_name.clone());
+        async move { cts.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    wait_for("the old profiling Job to be collected", || {
+        let (jobs, name) = (jobs.clone(), old_job.clone());
+        async move { jobs.get_opt(&name).await.ok()?.is_none().then_some(()) }
+    })
+    .await;
+    wait_for("the new table to be owned by both", || {
+        let (cts, name, both) = (cts.clone(), new.name_any(), both.clone());
+        async move {
+            let c = cts.get_opt(&name).await.ok()??;
+            (owner_uids(&c) == both).then_some(())
+        }
+    })
+    .await;
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+const DENIED: &str = "no Services in this namespace (dspark test policy)";
+
+/// A ValidatingAdmissionPolicy (and its binding) refusing every Service in namespace `ns`.
+async fn deny_services(client: &Client, ns: &str) -> String {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let name = format!("{ns}-no-services");
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"],
+                "operations": ["CREATE", "UPDATE"], "resources": ["services"],
+            }]},
+            "validations": [{"expression": "false", "message": DENIED}],
+        },
+    }))
+    .unwrap();
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": ns,
+            }}},
+        },
+    }))
+    .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    // In force once the apiserver has loaded it: a dry-run Service is refused.
+    let services: Api<Service> = Api::namespaced(client.clone(), ns);
+    let probe: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "probe"},
+        "spec": {"ports": [{"port": 80}]},
+    }))
+    .unwrap();
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    wait_for("the policy to refuse Services", || {
+        let (services, probe, dry) = (services.clone(), probe.clone(), dry.clone());
+        async move {
+            match services.create(&dry, &probe).await {
+                Err(kube::Error::Api(e)) if e.message.contains(DENIED) => Some(()),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    name
+}
+
+async fn allow_services(client: &Client, name: &str) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    Api::<ValidatingAdmissionPolicyBinding>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+    Api::<ValidatingAdmissionPolicy>::all(client.clone())
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+}
+
+/// An apply the apiserver refuses (an admission policy denies Services) makes the deployment
+/// `Stalled` (kstatus: True, with the apiserver's message, on the observed generation) and
+/// emits a Warning Event with that message; once the policy is gone a reconcile succeeds, the
+/// Service exists, `Stalled` is cleared and a Normal Event says so.
+#[tokio::test]
+async fn a_refused_apply_stalls_the_deployment_with_the_apiservers_message_until_it_succeeds() {
+    let Some((client, ns)) = test_env("refused_apply_stalls", "dspark-it-stalled").await else {
+        return;
+    };
+    let policy = deny_services(&client, &ns).await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    dsds.create(
+        &PostParams::default(),
+        &sample("dsparkdeployment-smollm2.yaml"),
+    )
+    .await
+    .unwrap();
+
+    let (d, stalled) = wait_for("the Stalled condition", || {
+        let dsds = dsds.clone();
+        async move {
+            let d = dsds.get("smollm2").await.ok()?;
+            let c = d
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Stalled" && c.status == "True")?
+                .clone();
+            Some((d, c))
+        }
+    })
+    .await;
+    eprintln!("Stalled: {}: {}", stalled.reason, stalled.message);
+    assert_eq!(stalled.reason, "ApplyFailed", "{stalled:?}");
+    assert!(stalled.message.contains(DENIED), "{}", stalled.message);
+    assert!(
+        stalled.message.contains("Service smollm2-a100"),
+        "{}",
+        stalled.message
+    );
+    // kstatus reads Stalled only from a status that observed the object's generation.
+    let generation = d.metadata.generation;
+    assert_eq!(d.status.as_ref().unwrap().observed_generation, generation);
+    assert_eq!(stalled.observed_generation, generation);
+
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let find_event = |reason: &'static str, type_: &'static str| {
+        let events = events.clone();
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.type_.as_deref() == Some(type_)
+                        && e.involved_object.name.as_deref() == Some("smollm2")
+                })
+        }
+    };
+    let warning = wait_for("a Warning Event", || find_event("ApplyFailed", "Warning")).await;
+    assert!(
+        warning
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .contains(DENIED),
+        "{warning:?}"
+    );
+
+    allow_services(&client, &policy).await;
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    wait_up_to(
+        "Stalled to clear after the policy is gone",
+        Duration::from_secs(120),
+        || {
+            let (dsds, services) = (dsds.clone(), services.clone());
+            async move {
+                let s = dsds.get("smollm2").await.ok()?.status?;
+                let stalled = s
+                    .conditions
+                    .iter()
+                    .any(|c| c.type_ == "Stalled" && c.status == "True");
+                let svc = services.get_opt("smollm2").await.ok()?;
+                (!stalled && svc.is_some()).then_some(())
+            }
+        },
+    )
+    .await;
+    wait_for("a Normal Event for the recovery", || {
+        find_event("Reconciled", "Normal")
+    })
+    .await;
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+/// Names the owned objects could not carry are refused at admission, with a message naming
+/// the field: a deployment name that is no DNS-1035 label (it names the deployment's
+/// Service), a pool name that is none (part of the pool's Service name), a node type that is
+/// no label value (the engine pods' node selector). The longest names allowed are accepted.
+#[tokio::test]
+async fn names_that_cannot_become_object_names_are_refused_naming_the_field() {
+    let Some((client, ns)) = test_env("names_refused", "dspark-it-names").await else {
+        return;
+    };
+    let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let base = sample("dsparkdeployment-smollm2.yaml");
+    let with = |f: &dyn Fn(&mut DSparkDeployment)| {
+        let mut d = base.clone();
+        f(&mut d);
+        d
+    };
+    let longest = with(&|d| {
+        d.metadata.name = Some(format!("m{}", "0".repeat(39)));
+        d.spec.pools[0].name = format!("p{}", "-a".repeat(9) + "z");
+    });
+    assert_eq!(longest.metadata.name.as_ref().unwrap().len(), 40);
+    assert_eq!(longest.spec.pools[0].name.len(), 20);
+    api.create(&dry, &longest)
+        .await
+        .unwrap_or_else(|e| panic!("the longest names were refused: {e}"));
+    let cases = [
+        (
+            "a leading digit in the name",
+            with(&|d| d.metadata.name = Some("8b-model".into())),
+            "metadata.name must be a DNS-1035 label",
+        ),
+        (
+            "a dot in the name",
+            with(&|d| d.metadata.name = Some("smollm2.q4".into())),
+            "metadata.name must be a DNS-1035 label",
+        ),
+        (
+            "a dot in a pool name",
+            with(&|d| d.spec.pools[0].name = "qwen3.8b".into()),
+            "spec.pools[].name must be a DNS-1035 label",
+        ),
+        (
+            "a leading digit in a pool name",
+            with(&|d| d.spec.pools[0].name = "8b".into()),
+            "spec.pools[].name must be a DNS-1035 label",
+        ),
+        (
+            "a space in a node type",
+            with(&|d| d.spec.pools[0].node_type = "a100 80gb".into()),
+            "spec.pools[].nodeType must be a label value",
+        ),
+    ];
+    for (what, obj, expect) in cases {
+        match api.create(&dry, &obj).await {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{what}: {e}");
+                assert!(
+                    e.message.contains(expect),
+                    "{what}: expected '{expect}' in '{}'",
+                    e.message
+                );
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+    drop_namespace(&client, &ns).await;
+}
+
+/// The condition `type_` of the deployment `name`, if its status has one.
+async fn condition_of(
+    dsds: &Api<DSparkDeployment>,
+    name: &str,
+    type_: &str,
+) -> Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    dsds.get(name)
+        .await
+        .ok()?
+        .status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+}
+
+/// `Available`, `Progressing` and `Ready` follow the pool Deployments as the deployment
+/// controller reports them: one ready replica of one is available, complete and ready; a
+/// scale-up to two keeps `Ready` and `Available` True while the new pod starts
+/// (`Progressing`: RollingOut); a rollout past the Deployment's progress deadline makes
+/// `Progressing` False with reason `RolloutStalled` (and `Ready` False, `Available` still
+/// True: the old pod serves) with the Deployment's message.
+#[tokio::test]
+async fn rollout_conditions_follow_the_pool_deployments() {
+    let Some((client, ns)) = test_env("rollout_conditions", "dspark-it-rollout").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.replicas = Some(1);
+    dsd.spec.profiling.enabled = false;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let first = engine_pod(&pods, "a100", |_| true).await;
+    make_ready(&client, &ns, &first.name_any(), "127.1.77.5").await;
+
+    let state = |d: &Api<DSparkDeployment>| {
+        let d = d.clone();
+        async move {
+            let get = |t: &'static str| {
+                let d = d.clone();
+                async move {
+                    condition_of(&d, "smollm2", t)
+                        .await
+                        .map(|c| (c.status, c.reason))
+                }
+            };
+            (
+                get("Ready").await,
+                get("Available").await,
+                get("Progressing").await,
+            )
+        }
+    };
+    let t = |s: &str, r: &str| Some((s.to_string(), r.to_string()));
+    wait_for("one replica of one ready", || {
+        let (dsds, t) = (dsds.clone(), &t);
+        async move {
+            let s = state(&dsds).await;
+            (s == (
+                t("True", "AllReplicasReady"),
+                t("True", "MinimumReplicasAvailable"),
+                t("True", "RolloutComplete"),
+            ))
+                .then_some(())
+        }
+    })
+    .await;
+
+    // A normal scale-up: the new pod is not ready yet; the deployment stays Ready.
+    dsds.patch_scale(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "replicas": 2 } })),
+    )
+    .await
+    .unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    wait_for("the second pod", || {
+        let pods = pods.clone();
+        async move {
+            let n = pods
+                .list(&ListParams::default().labels("serving.dspark.dev/pool=a100"))
+                .await
+                .ok()?
+                .items
+                .len();
+            (n == 2).then_some(())
+        }
+    })
+    .await;
+    wait_for("Progressing: RollingOut", || {
+        let (dsds, t) = (dsds.clone(), &t);
+        async move {
+            let s = state(&dsds).await;
+            (s.2 == t("True", "RollingOut")).then_some(s)
+        }
+    })
+    .await;
+    for _ in 0..6 {
+        let (ready, available, _) = state(&dsds).await;
+        assert_eq!(
+            ready.as_ref().map(|r| r.0.as_str()),
+            Some("True"),
+            "Ready flipped on a scale-up: {ready:?}"
+        );
+        assert_eq!(available, t("True", "MinimumReplicasAvailable"));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let status = dsds.get("smollm2").await.unwrap().status.unwrap();
+    assert_eq!((status.ready_replicas, status.desired_replicas), (1, 2));
+
+    // A rollout (new engine env: a new pod template) that cannot finish within the
+    // Deployment's progress deadline (1 s, set by someone else; the operator's apply leaves
+    // the field alone): the rollout is stalled, the old pod still serves.
+    deployments
+        .patch(
+            "smollm2-a100",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "progressDeadlineSeconds": 1 } })),
+        )
+        .await
+        .unwrap();
+    dsds.patch(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "engine": {
+            "env": [{"name": "DSPARK_ROLLOUT", "value": "2"}],
+        } } })),
+    )
+    .await
+    .unwrap();
+    let c = wait_for("Progressing: RolloutStalled", || {
+        let dsds = dsds.clone();
+        async move {
+            let c = condition_of(&dsds, "smollm2", "Progressing").await?;
+            (c.status == "False" && c.reason == "RolloutStalled").then_some(c)
+        }
+    })
+    .await;
+    assert!(
+        c.message.contains("a100") && c.message.contains("progress"),
+        "{}",
+        c.message
+    );
+    let ready = condition_of(&dsds, "smollm2", "Ready").await.unwrap();
+    assert_eq!(
+        (ready.status.as_str(), ready.reason.as_str()),
+        ("False", "RolloutStalled")
+    );
+    let available = condition_of(&dsds, "smollm2", "Available").await.unwrap();
+    assert_eq!(available.status, "True", "{available:?}");
+    handle.abort();
     drop_namespace(&client, &ns).await;
 }

@@ -60,13 +60,17 @@ pub async fn ensure_cost_table(
         },
         "spec": key.spec(),
     });
-    Ok(api
-        .patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?)
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: DSparkCostTable::kind(&()).into(),
+        name,
+        source,
+    })
 }
 
 /// A ready engine pod reachable by pod IP.

@@ -7,6 +7,7 @@
 pub mod costs;
 pub mod pool;
 pub mod profiling;
+pub mod prune;
 pub mod status;
 
 use std::collections::BTreeMap;
@@ -148,9 +149,52 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
         }
         Err(e) => {
             tracing::Span::current().record("error", tracing::field::display(e));
+            let before = ctx
+                .failures
+                .lock()
+                .expect("failures lock")
+                .get(&key)
+                .copied()
+                .unwrap_or(0);
+            report_failure(&dsd, &ctx, e, before + 1).await;
         }
     }
     result
+}
+
+/// Makes a failed reconcile visible: a Warning Event with the error (the apiserver's message
+/// for a refused request), and `Stalled=True` in the status when the error needs someone to
+/// act (a refusal) or has lasted [`status::STALL_AFTER`] reconciles in a row.
+async fn report_failure(dsd: &DSparkDeployment, ctx: &Context, e: &Error, failures: u32) {
+    let reason = e.reason();
+    let message = e.to_string();
+    publish(ctx, dsd, EventType::Warning, reason, message.clone()).await;
+    if e.is_transient() && failures < status::STALL_AFTER {
+        return;
+    }
+    let Some(ns) = dsd.namespace() else { return };
+    let old = dsd.status.clone().unwrap_or_default();
+    let now = profiling::rfc3339(k8s_openapi::jiff::Timestamp::now());
+    let new = status::stalled(&old, dsd.metadata.generation, reason, &message, &now);
+    if new == old {
+        return;
+    }
+    let api: Api<DSparkDeployment> = Api::namespaced(ctx.client.clone(), &ns);
+    let patch = serde_json::json!({
+        "apiVersion": DSparkDeployment::api_version(&()),
+        "kind": DSparkDeployment::kind(&()),
+        "status": new,
+    });
+    if let Err(e) = api
+        .patch_status(
+            &dsd.name_any(),
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+    {
+        warn!("could not record the Stalled condition: {e}");
+    }
 }
 
 async fn apply<K>(client: &kube::Client, ns: &str, obj: &K) -> Result<K>
@@ -163,13 +207,17 @@ where
 {
     let api: Api<K> = Api::namespaced(client.clone(), ns);
     let name = obj.meta().name.clone().unwrap_or_default();
-    Ok(api
-        .patch(
-            &name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(obj),
-        )
-        .await?)
+    api.patch(
+        &name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(obj),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: K::kind(&()).into(),
+        name,
+        source,
+    })
 }
 
 async fn publish(
@@ -345,6 +393,31 @@ async fn reconcile_inner(
                 .unwrap_or(0),
             ready_pods: costs::ready_pods(&pods.items),
             desired: 0,
+            min: p.min_replicas,
+            updated: current
+                .as_ref()
+                .and_then(|d| d.status.as_ref()?.updated_replicas)
+                .unwrap_or(0),
+            observed: current.as_ref().is_some_and(|d| {
+                d.status.as_ref().and_then(|s| s.observed_generation) >= d.metadata.generation
+            }),
+            rollout_stalled: current.as_ref().and_then(|d| {
+                d.status
+                    .as_ref()?
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .find(|c| {
+                        c.type_.as_deref() == Some("Progressing")
+                            && c.status.as_deref() == Some("False")
+                            && c.reason.as_deref() == Some("ProgressDeadlineExceeded")
+                    })
+                    .map(|c| {
+                        c.message
+                            .clone()
+                            .unwrap_or_else(|| "progress deadline exceeded".into())
+                    })
+            }),
         });
         tables.push(table);
     }
@@ -525,6 +598,41 @@ async fn reconcile_inner(
     }
     apply::<Service>(client, &ns, &pool::deployment_service(dsd)).await?;
 
+    // What the spec no longer names: objects of removed or renamed pools, cost tables of
+    // keys no pool uses any more.
+    let pruned = prune::pool_objects(client, &ns, dsd).await?;
+    if !pruned.is_empty() {
+        info!(objects = ?pruned, "pruned");
+        publish(
+            ctx,
+            dsd,
+            EventType::Normal,
+            "Pruned",
+            format!(
+                "deleted what the spec no longer names: {}",
+                pruned.join(", ")
+            ),
+        )
+        .await;
+    }
+    for released in prune::cost_tables(client, &ns, dsd).await? {
+        let note = match &released {
+            prune::Released::Kept(t) => {
+                format!("cost table {t} is no longer used by this deployment; other deployments keep it")
+            }
+            prune::Released::Deleted(t) => format!(
+                "cost table {t} is no longer used by any deployment: deleted with its profiling Jobs"
+            ),
+        };
+        info!("{note}");
+        publish(ctx, dsd, EventType::Normal, "CostTableReleased", note).await;
+    }
+    let pool_names: Vec<&str> = spec.pools.iter().map(|p| p.name.as_str()).collect();
+    ctx.metrics.retain_pools(&object_key(dsd), &pool_names);
+    rt.observations
+        .retain(|k, _| pool_names.contains(&k.as_str()));
+    rt.breached.retain(|k, _| pool_names.contains(&k.as_str()));
+
     // Push stored tables to ready pods that do not hold them yet.
     let alive: Vec<String> = views
         .iter()
@@ -583,6 +691,19 @@ async fn reconcile_inner(
         old: &old,
     });
     if dsd.status.as_ref() != Some(&new) {
+        if let Some(c) = status::stalled_condition(&old) {
+            publish(
+                ctx,
+                dsd,
+                EventType::Normal,
+                "Reconciled",
+                format!(
+                    "reconcile succeeded; no longer stalled (was {}: {})",
+                    c.reason, c.message
+                ),
+            )
+            .await;
+        }
         for (t, ok, reason, message) in status::transitions(&old, &new) {
             let type_ = if !ok && t != "Scaling" {
                 EventType::Warning

@@ -32,6 +32,15 @@ pub struct PoolView {
     pub ready_pods: Vec<PodTarget>,
     /// Replicas this reconcile asks for.
     pub desired: i32,
+    /// The pool's `minReplicas`: fewer ready than this (or than `desired`, if lower) is not
+    /// available.
+    pub min: i32,
+    /// `status.updatedReplicas` of the pool's Deployment (pods of its current template).
+    pub updated: i32,
+    /// The Deployment controller has seen the Deployment's current generation.
+    pub observed: bool,
+    /// The Deployment's `Progressing=False` message when it exceeded its progress deadline.
+    pub rollout_stalled: Option<String>,
 }
 
 /// Everything the status is computed from.
@@ -87,6 +96,8 @@ pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
     };
     let mut conditions = vec![
         ready_condition(i.pools),
+        available_condition(i.pools),
+        progressing_condition(i.pools),
         profiled_condition(i),
         scaling_condition(i),
         metrics_condition(i),
@@ -128,21 +139,129 @@ fn condition(type_: &str, ok: Option<bool>, reason: &str, message: String) -> Co
     }
 }
 
-fn ready_condition(pools: &[PoolView]) -> Condition {
-    let lagging: Vec<String> = pools
+/// Pools with fewer ready replicas than they need to count as serving: their minimum (or
+/// what they are asked for, if that is lower).
+fn below_minimum(pools: &[PoolView]) -> Vec<String> {
+    pools
         .iter()
-        .filter(|v| v.ready < v.desired)
-        .map(|v| format!("{}: {}/{} ready", v.name, v.ready, v.desired))
-        .collect();
+        .filter(|v| v.ready < v.min.min(v.desired))
+        .map(|v| {
+            format!(
+                "{}: {}/{} ready (minimum {})",
+                v.name,
+                v.ready,
+                v.desired,
+                v.min.min(v.desired)
+            )
+        })
+        .collect()
+}
+
+fn stalled_rollouts(pools: &[PoolView]) -> Vec<String> {
+    pools
+        .iter()
+        .filter_map(|v| {
+            let m = v.rollout_stalled.as_ref()?;
+            Some(format!("pool {}: {m}", v.name))
+        })
+        .collect()
+}
+
+/// `Available`: every pool has its minimum of ready replicas and at least one serves. A
+/// scale-up above the minimum keeps it True.
+fn available_condition(pools: &[PoolView]) -> Condition {
     let ready: i32 = pools.iter().map(|v| v.ready).sum();
-    if !lagging.is_empty() {
-        condition("Ready", Some(false), "ReplicasNotReady", lagging.join("; "))
+    let desired: i32 = pools.iter().map(|v| v.desired).sum();
+    let below = below_minimum(pools);
+    if ready == 0 {
+        condition(
+            "Available",
+            Some(false),
+            "NoReplicas",
+            "no engine replica is ready".into(),
+        )
+    } else if !below.is_empty() {
+        condition(
+            "Available",
+            Some(false),
+            "MinimumReplicasUnavailable",
+            below.join("; "),
+        )
+    } else {
+        condition(
+            "Available",
+            Some(true),
+            "MinimumReplicasAvailable",
+            format!("{ready}/{desired} engine replicas ready"),
+        )
+    }
+}
+
+/// `Progressing`, as the pools' Deployments report it: False (`RolloutStalled`) when one
+/// exceeded its progress deadline; True while one rolls out or scales (`RollingOut`) or once
+/// every pool runs its desired replicas of the current template (`RolloutComplete`).
+fn progressing_condition(pools: &[PoolView]) -> Condition {
+    let stalled = stalled_rollouts(pools);
+    if !stalled.is_empty() {
+        return condition(
+            "Progressing",
+            Some(false),
+            "RolloutStalled",
+            stalled.join("; "),
+        );
+    }
+    let moving: Vec<String> = pools
+        .iter()
+        .filter(|v| {
+            v.current.is_none()
+                || !v.observed
+                || v.updated < v.desired
+                || v.replicas != v.desired
+                || v.ready < v.desired
+        })
+        .map(|v| {
+            format!(
+                "{}: {}/{} updated, {}/{} ready",
+                v.name, v.updated, v.desired, v.ready, v.desired
+            )
+        })
+        .collect();
+    if moving.is_empty() {
+        condition(
+            "Progressing",
+            Some(true),
+            "RolloutComplete",
+            "every pool runs its desired replicas of the current template".into(),
+        )
+    } else {
+        condition("Progressing", Some(true), "RollingOut", moving.join("; "))
+    }
+}
+
+/// `Ready`: available and no rollout stalled. Pods still starting above each pool's minimum
+/// (a normal scale-up) do not make it False.
+fn ready_condition(pools: &[PoolView]) -> Condition {
+    let stalled = stalled_rollouts(pools);
+    let below = below_minimum(pools);
+    let ready: i32 = pools.iter().map(|v| v.ready).sum();
+    let desired: i32 = pools.iter().map(|v| v.desired).sum();
+    if !stalled.is_empty() {
+        condition("Ready", Some(false), "RolloutStalled", stalled.join("; "))
     } else if ready == 0 {
         condition(
             "Ready",
             Some(false),
             "NoReplicas",
             "no engine replica is running".into(),
+        )
+    } else if !below.is_empty() {
+        condition("Ready", Some(false), "ReplicasNotReady", below.join("; "))
+    } else if ready < desired {
+        condition(
+            "Ready",
+            Some(true),
+            "MinimumReplicasReady",
+            format!("{ready}/{desired} engine replicas ready; the others are starting"),
         )
     } else {
         condition(
@@ -332,6 +451,50 @@ fn metrics_condition(i: &StatusInput<'_>) -> Condition {
     }
 }
 
+/// kstatus' "abnormal-true" condition: True while reconciles fail (reason and message say
+/// why); absent once one succeeds ([`build`] never carries it).
+pub const STALLED: &str = "Stalled";
+
+/// Consecutive failures after which even a transient error stalls the deployment.
+pub const STALL_AFTER: u32 = 3;
+
+/// The status after a failed reconcile: `old` with `Stalled=True` (`reason`, `message`) for
+/// `generation`, everything else as it was. `status.observedGeneration` moves to
+/// `generation` too: the operator has seen this generation and is stuck on it, which is
+/// what kstatus needs to read the deployment as failed rather than still in progress. The
+/// transition time stays while the deployment stays stalled.
+pub fn stalled(
+    old: &DSparkDeploymentStatus,
+    generation: Option<i64>,
+    reason: &str,
+    message: &str,
+    now: &str,
+) -> DSparkDeploymentStatus {
+    let mut s = old.clone();
+    s.observed_generation = generation;
+    let mut c = condition(
+        STALLED,
+        Some(true),
+        reason,
+        message.chars().take(4096).collect(),
+    );
+    c.observed_generation = generation;
+    c.last_transition_time = match old.conditions.iter().find(|o| o.type_ == STALLED) {
+        Some(o) if o.status == "True" => o.last_transition_time.clone(),
+        _ => Time(now.parse().expect("reconcile time is RFC 3339")),
+    };
+    s.conditions.retain(|o| o.type_ != STALLED);
+    s.conditions.push(c);
+    s
+}
+
+/// The `Stalled=True` condition of a status, if it has one.
+pub fn stalled_condition(s: &DSparkDeploymentStatus) -> Option<&Condition> {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == STALLED && c.status == "True")
+}
+
 /// Conditions whose status changed: `(type, now true, reason, message)`, for events.
 pub fn transitions(
     old: &DSparkDeploymentStatus,
@@ -377,6 +540,10 @@ mod tests {
             ready,
             ready_pods: Vec::new(),
             desired,
+            min: desired,
+            updated: desired,
+            observed: true,
+            rollout_stalled: None,
         }
     }
 
@@ -439,7 +606,125 @@ mod tests {
         assert_eq!(s1, s2);
         assert!(transitions(&s1, &s2).is_empty());
         let t = transitions(&old, &s1);
-        assert_eq!(t.len(), 4);
+        assert_eq!(t.len(), 6);
+    }
+
+    #[test]
+    fn a_failure_stalls_and_a_success_clears_it() {
+        let mut d = sample();
+        d.metadata.generation = Some(7);
+        let pools = vec![view("h100", 1, 1, Some(1))];
+        let (observations, breached) = (BTreeMap::new(), BTreeMap::new());
+        let empty = DSparkDeploymentStatus::default();
+        let input = |now, old| StatusInput {
+            dsd: &d,
+            pools: &pools,
+            observations: &observations,
+            breached: &breached,
+            last_decision: None,
+            evaluated: false,
+            now,
+            old,
+        };
+        let mut ok = build(&input("2026-11-29T10:00:00Z", &empty));
+        ok.observed_generation = Some(6);
+        let s1 = stalled(
+            &ok,
+            Some(7),
+            "ApplyFailed",
+            "applying Service x: denied",
+            "2026-11-29T10:01:00Z",
+        );
+        // Everything else as it was; the condition on the generation it is stuck on.
+        assert_eq!(s1.observed_generation, Some(7));
+        assert_eq!(s1.conditions.len(), ok.conditions.len() + 1);
+        assert_eq!(s1.pools, ok.pools);
+        let c = stalled_condition(&s1).unwrap();
+        assert_eq!(
+            (c.reason.as_str(), c.observed_generation),
+            ("ApplyFailed", Some(7))
+        );
+        assert_eq!(c.message, "applying Service x: denied");
+        // Still stalled later, same error: nothing changes (no write).
+        let s2 = stalled(
+            &s1,
+            Some(7),
+            "ApplyFailed",
+            "applying Service x: denied",
+            "2026-11-29T10:05:00Z",
+        );
+        assert_eq!(s1, s2);
+        // Another error: reason and message follow, the transition time stays.
+        let s3 = stalled(
+            &s2,
+            Some(7),
+            "APIError",
+            "forbidden",
+            "2026-11-29T10:06:00Z",
+        );
+        let c3 = stalled_condition(&s3).unwrap();
+        assert_eq!(c3.reason, "APIError");
+        assert_eq!(c3.last_transition_time, c.last_transition_time);
+        // A successful reconcile drops it.
+        let s4 = build(&input("2026-11-29T10:07:00Z", &s3));
+        assert!(stalled_condition(&s4).is_none());
+        assert!(s4.conditions.iter().all(|c| c.type_ != STALLED));
+    }
+
+    #[test]
+    fn a_scale_up_keeps_ready_and_a_stalled_rollout_does_not() {
+        let d = sample();
+        let (observations, breached) = (BTreeMap::new(), BTreeMap::new());
+        let old = DSparkDeploymentStatus::default();
+        let status = |pools: &[PoolView]| {
+            build(&StatusInput {
+                dsd: &d,
+                pools,
+                observations: &observations,
+                breached: &breached,
+                last_decision: None,
+                evaluated: false,
+                now: "2026-11-29T10:00:00Z",
+                old: &old,
+            })
+        };
+        let get = |s: &DSparkDeploymentStatus, t: &str| {
+            let c = s.conditions.iter().find(|c| c.type_ == t).unwrap();
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        // 2 -> 3 with minReplicas 1: two ready, one starting.
+        let mut v = view("h100", 3, 2, Some(1));
+        v.min = 1;
+        v.updated = 3;
+        let s = status(std::slice::from_ref(&v));
+        assert_eq!(get(&s, "Ready").0, "True");
+        assert_eq!(get(&s, "Ready").1, "MinimumReplicasReady");
+        assert_eq!(get(&s, "Available").1, "MinimumReplicasAvailable");
+        assert_eq!(
+            get(&s, "Progressing"),
+            (
+                "True".into(),
+                "RollingOut".into(),
+                "h100: 3/3 updated, 2/3 ready".into()
+            )
+        );
+        // Below the minimum: not available, not ready.
+        v.ready = 0;
+        let s = status(&[v.clone(), view("a100", 1, 1, Some(1))]);
+        assert_eq!(get(&s, "Available").1, "MinimumReplicasUnavailable");
+        assert_eq!(get(&s, "Ready").1, "ReplicasNotReady");
+        // Past the progress deadline.
+        v.ready = 2;
+        v.rollout_stalled = Some("ReplicaSet \"x\" has timed out progressing.".into());
+        let s = status(std::slice::from_ref(&v));
+        let p = get(&s, "Progressing");
+        assert_eq!((p.0.as_str(), p.1.as_str()), ("False", "RolloutStalled"));
+        assert!(p.2.starts_with("pool h100: ReplicaSet"), "{}", p.2);
+        assert_eq!(get(&s, "Ready").1, "RolloutStalled");
+        // Done.
+        let s = status(&[view("h100", 2, 2, Some(1))]);
+        assert_eq!(get(&s, "Progressing").1, "RolloutComplete");
+        assert_eq!(get(&s, "Ready").1, "AllReplicasReady");
     }
 
     #[test]
