@@ -173,6 +173,10 @@ struct ServeArgs {
     /// calibration data.
     #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
     online_calibration: f32,
+    /// Turn off automatic prefix caching (full prompt blocks shared by content between
+    /// requests and kept after them until the cache needs the room).
+    #[arg(long, env = "DSPARK_NO_PREFIX_CACHE")]
+    no_prefix_cache: bool,
     /// Online on/off experiment: alternate these verify policies on live traffic, one per
     /// window (comma list of dspark, none, fixed:G, threshold:T; e.g. dspark,none). Needs a
     /// drafter (--speculation). Results: /metrics (dspark_experiment_*), GET /experiment,
@@ -353,6 +357,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             policy,
             online_calibration: a.online_calibration,
             experiment,
+            prefix_cache: !a.no_prefix_cache,
         },
         show_progress: true,
         drafter: a.drafter.clone(),

@@ -118,6 +118,12 @@ pub struct Metrics {
     pub running: Gauge,
     pub waiting: Gauge,
     pub kv_usage: Gauge<f64, AtomicU64>,
+    /// Automatic prefix caching: prompt tokens looked up / found cached, cached blocks
+    /// (registered, in use or kept), blocks evicted.
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
+    pub prefix_blocks: Gauge,
+    pub prefix_evictions: Counter,
     pub prompt_tokens: Counter,
     pub generation_tokens: Counter,
     pub request_success: Family<FinishLabel, Counter>,
@@ -183,6 +189,10 @@ impl Metrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
+            prefix_queries: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_blocks: Gauge::default(),
+            prefix_evictions: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             request_success: Family::default(),
@@ -255,6 +265,26 @@ impl Metrics {
             "dspark_kv_cache_usage_ratio",
             "Fraction of KV cache blocks in use",
             m.kv_usage.clone(),
+        );
+        r.register(
+            "dspark_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            m.prefix_queries.clone(),
+        );
+        r.register(
+            "dspark_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not prefilled)",
+            m.prefix_hits.clone(),
+        );
+        r.register(
+            "dspark_prefix_cache_blocks",
+            "KV blocks registered in the prefix cache (in use or kept for reuse)",
+            m.prefix_blocks.clone(),
+        );
+        r.register(
+            "dspark_prefix_cache_evictions",
+            "Cached prefix blocks evicted to make room",
+            m.prefix_evictions.clone(),
         );
         r.register(
             "dspark_prompt_tokens",

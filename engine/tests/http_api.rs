@@ -662,3 +662,44 @@ fn logit_bias_and_penalties_steer_the_output() {
         "penalties did not stop the repetition: {plain:?} vs {penalised:?}"
     );
 }
+
+/// A multi-turn chat re-sends its history: the second request reports the cached prompt
+/// tokens as OpenAI does (`usage.prompt_tokens_details.cached_tokens`), whole blocks of it,
+/// and answers as without the cache; the metrics count the hits. An engine started without
+/// prefix caching reports none.
+#[test]
+fn a_repeated_conversation_is_served_from_the_prefix_cache() {
+    let s = server();
+    let history = json!([
+        {"role": "system", "content": "You are a terse assistant who answers in a few words. Never explain your answers unless asked, and never greet."},
+        {"role": "user", "content": "What is the capital of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": "And of Spain?"}
+    ]);
+    let body = json!({"model": "smollm2", "messages": history, "max_tokens": 8, "temperature": 0});
+    let (_, a) = post(&s.base, "/v1/chat/completions", body.clone());
+    let (_, b) = post(&s.base, "/v1/chat/completions", body.clone());
+    let prompt = b["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= 16 && cached % 16 == 0 && cached < prompt,
+        "{cached} of {prompt} cached: {b}"
+    );
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    let m = metrics_text(s);
+    assert!(metric(&m, "dspark_prefix_cache_hits_total") >= cached as f64);
+    assert!(metric(&m, "dspark_prefix_cache_queries_total") >= prompt as f64);
+    let off = spawn(
+        EngineConfig {
+            prefix_cache: false,
+            ..Default::default()
+        },
+        64,
+    );
+    post(&off.base, "/v1/chat/completions", body.clone());
+    let (_, c) = post(&off.base, "/v1/chat/completions", body);
+    assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(c["choices"][0]["message"], b["choices"][0]["message"]);
+}

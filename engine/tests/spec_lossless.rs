@@ -4,7 +4,7 @@
 
 mod common;
 
-use dspark_engine::engine::{EngineConfig, Event, GenRequest};
+use dspark_engine::engine::{EngineConfig, Event, GenRequest, Usage};
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
@@ -118,6 +118,29 @@ fn run_cfg_params(
     String,
     std::sync::Arc<dspark_engine::server::AppState>,
 ) {
+    let state = start(cfg, drafter, table);
+    let results = submit_all(&state, prompts, max_tokens, params)
+        .into_iter()
+        .map(|(text, u)| {
+            (
+                text,
+                u.completion_tokens,
+                u.draft_tokens,
+                u.accepted_draft_tokens,
+            )
+        })
+        .collect();
+    let m = state.metrics.render();
+    (results, m, state)
+}
+
+/// An engine on the default model with `cfg` (batch bound raised to 1024) and the cost
+/// table `table(model_id)` installed before any request.
+fn start(
+    cfg: EngineConfig,
+    drafter: Option<std::path::PathBuf>,
+    table: Option<&dyn Fn(&str) -> String>,
+) -> std::sync::Arc<dspark_engine::server::AppState> {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -146,6 +169,16 @@ fn run_cfg_params(
             )
             .unwrap();
     }
+    state
+}
+
+/// Submits every prompt at once and collects (text, usage) per prompt.
+fn submit_all(
+    state: &dspark_engine::server::AppState,
+    prompts: &[String],
+    max_tokens: usize,
+    params: &SamplingParams,
+) -> Vec<(String, Usage)> {
     let mut rxs = Vec::new();
     for p in prompts {
         let prompt = state.tok.encode(p, state.tok.add_bos).unwrap();
@@ -167,28 +200,18 @@ fn run_cfg_params(
             .unwrap();
         rxs.push(rx);
     }
-    let results = rxs
-        .into_iter()
+    rxs.into_iter()
         .map(|mut rx| {
             let mut text = String::new();
             loop {
                 match rx.blocking_recv().expect("engine answers") {
                     Event::Delta { text: t, .. } => text.push_str(&t),
-                    Event::Finished { usage, .. } => {
-                        return (
-                            text,
-                            usage.completion_tokens,
-                            usage.draft_tokens,
-                            usage.accepted_draft_tokens,
-                        )
-                    }
+                    Event::Finished { usage, .. } => return (text, usage),
                     Event::Error(e) => panic!("engine error: {e}"),
                 }
             }
         })
-        .collect();
-    let m = state.metrics.render();
-    (results, m, state)
+        .collect()
 }
 
 /// Plain decoding of the test prompts (computed once per test binary).
@@ -412,15 +435,17 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
 /// arm was in force at each step.
 #[test]
 fn policy_experiment_alternates_arms_losslessly() {
-    let (prompts, max_tokens) = (first_prompts(24), 64);
+    let (prompts, max_tokens) = (first_prompts(32), 64);
     let plain = plain_run(&prompts, max_tokens);
     // fixed:3 first: its window drafts for certain (a sequence running when `none` begins
-    // decodes plainly to its end, and these requests all arrive at once).
+    // decodes plainly to its end, and these requests all arrive at once). One-second
+    // windows: the first must outlast the prefill of every prompt even when the other
+    // tests of this binary share the two cores.
     let arms = dspark_engine::experiment::parse_arms("fixed:3,dspark,none", 4).unwrap();
     let cfg = EngineConfig {
         speculation: Speculation::DSparkMarkov,
         policy: VerifyPolicy::Fixed { gamma: 4 },
-        experiment: Some((arms, std::time::Duration::from_millis(600))),
+        experiment: Some((arms, std::time::Duration::from_millis(1000))),
         ..Default::default()
     };
     let flat = |id: &str| table_json(id, |b| 100.0 / (1.0 + (b - 1.0) / 16.0), 0.2);
@@ -525,4 +550,85 @@ fn greedy_with_penalties_and_bias_is_lossless() {
             "{speculation:?}: only {accepted} drafts accepted"
         );
     }
+}
+
+/// Automatic prefix caching: a second round of the same prompts on the same engine starts
+/// on the cached blocks (the usage says how many prompt tokens), and its greedy output is
+/// the first round's and plain decoding's, with the shipped drafter verifying fixed blocks:
+/// the drafter's context blocks are shared under the same keys, so it drafts as well after
+/// a hit as without one. Rejected draft tokens never enter the cache (they would change the
+/// second round). Without prefix caching nothing is served from the cache.
+#[test]
+fn prefix_cache_hits_are_lossless_with_the_drafter_context_shared() {
+    // A shared system-style preamble makes the prompts share blocks with each other too.
+    let preamble = "You are a careful assistant. Answer briefly and precisely, in one sentence, \
+                    without any preamble of your own. ";
+    let prompts: Vec<String> = first_prompts(12)
+        .into_iter()
+        .map(|p| format!("{preamble}{p}"))
+        .collect();
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let max_tokens = 24;
+    let plain =
+        {
+            let cfg = EngineConfig {
+                prefix_cache: false,
+                ..Default::default()
+            };
+            let st = start(cfg, None, None);
+            let out = submit_all(&st, &prompts, max_tokens, &greedy);
+            assert!(
+                out.iter().all(|o| o.1.cached_tokens == 0),
+                "no cache, no hits"
+            );
+            assert!(!st.metrics.render().lines().any(|l| {
+                l.starts_with("dspark_prefix_cache_hits_total") && !l.ends_with(" 0")
+            }));
+            out
+        };
+    let cfg = EngineConfig {
+        speculation: Speculation::DSparkMarkov,
+        policy: VerifyPolicy::Fixed { gamma: 3 },
+        ..Default::default()
+    };
+    let st = start(cfg, Some(shipped_drafter()), None);
+    let first = submit_all(&st, &prompts, max_tokens, &greedy);
+    let second = submit_all(&st, &prompts, max_tokens, &greedy);
+    for i in 0..prompts.len() {
+        assert_eq!(
+            first[i].0, plain[i].0,
+            "prompt {i}: first round differs from plain"
+        );
+        assert_eq!(
+            second[i].0, plain[i].0,
+            "prompt {i}: cache hit differs from plain"
+        );
+        let (u, len) = (&second[i].1, second[i].1.prompt_tokens);
+        assert!(
+            u.cached_tokens >= (len - 1) / 16 * 16
+                && u.cached_tokens % 16 == 0
+                && u.cached_tokens < len,
+            "prompt {i}: {} of {len} prompt tokens cached",
+            u.cached_tokens
+        );
+    }
+    let acc = |r: &[(String, Usage)]| r.iter().map(|o| o.1.accepted_draft_tokens).sum::<usize>();
+    let (a1, a2) = (acc(&first), acc(&second));
+    println!("accepted drafts: {a1} without hits, {a2} with");
+    assert!(a1 > 20, "the drafter drafted too little to compare: {a1}");
+    assert!(
+        (a2 as f64) >= 0.9 * a1 as f64,
+        "the drafter lost its context after the hits: {a2} vs {a1} accepted"
+    );
+    let m = st.metrics.render();
+    let hits = common::metric(&m, "dspark_prefix_cache_hits_total");
+    let cached: usize = second.iter().map(|o| o.1.cached_tokens).sum();
+    assert!(
+        hits >= cached as f64,
+        "{hits} hit tokens vs {cached} reported"
+    );
+    assert!(common::metric(&m, "dspark_prefix_cache_blocks") > 0.0);
 }

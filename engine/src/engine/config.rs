@@ -23,6 +23,8 @@ pub struct EngineConfig {
     /// The online policy experiment: arms alternated every window
     /// ([`crate::experiment`]); `policy` is unused then.
     pub experiment: Option<(Vec<Arm>, Duration)>,
+    /// Automatic prefix caching of full prompt blocks (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -36,6 +38,7 @@ impl Default for EngineConfig {
             policy: VerifyPolicy::Fixed { gamma: 4 },
             online_calibration: crate::speculative::recalibrate::DEFAULT_STEP,
             experiment: None,
+            prefix_cache: true,
         }
     }
 }

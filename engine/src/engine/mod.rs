@@ -105,6 +105,9 @@ impl Engine {
             next_id: 0,
             experiment: None,
         };
+        if engine.cfg.prefix_cache {
+            engine.kv.enable_prefix_cache("target");
+        }
         if let Some((arms, window)) = engine.cfg.experiment.clone() {
             engine.experiment = Some(Experiment::new(arms, window, Instant::now()));
             engine.apply_arm();
@@ -121,6 +124,9 @@ impl Engine {
             Some(drafter),
             self.metrics.clone(),
         );
+        if self.cfg.prefix_cache {
+            self.spec.enable_prefix_cache();
+        }
         self.apply_arm();
         self
     }
@@ -169,6 +175,49 @@ impl Engine {
         self.kv.truncate(&mut s.blocks, 0);
         self.spec.release(s.id);
         s.cached = 0;
+        s.chain = Default::default();
+    }
+
+    /// Starts an admitted sequence on the cached blocks its tokens begin with (automatic
+    /// prefix caching), as far as the drafter's context cache holds them too, so that
+    /// speculation after a hit is the same as without one.
+    fn attach_prefix(&mut self, s: &mut Seq) {
+        if s.cached > 0 || !self.kv.prefix_cache() {
+            return;
+        }
+        let hits = self.kv.lookup_prefix(&s.tokens);
+        let keys: Vec<u64> = hits.iter().map(|h| h.0).collect();
+        let n = self.spec.shared_prefix(&keys);
+        let blocks: Vec<u32> = hits[..n].iter().map(|h| h.1).collect();
+        s.blocks = self.kv.share(&blocks);
+        s.cached = n * self.kv.block_size;
+        s.chain = crate::kv::Chain {
+            blocks: n,
+            hash: keys[..n].last().copied().unwrap_or(0),
+        };
+        self.spec.attach_prefix(s.id, &keys[..n]);
+        let st = self.kv.prefix_stats_mut();
+        st.queried_tokens += s.tokens.len() as u64;
+        st.hit_tokens += s.cached as u64;
+        self.metrics.prefix_queries.inc_by(s.tokens.len() as u64);
+        self.metrics.prefix_hits.inc_by(s.cached as u64);
+        if s.cached_prompt.is_none() {
+            s.cached_prompt = Some(s.cached.min(s.prompt_len));
+        }
+    }
+
+    /// Registers the sequence's newly committed full blocks in the prefix cache (the
+    /// drafter's cache follows with the same keys).
+    fn register_blocks(&mut self, i: usize) {
+        let s = &mut self.running[i];
+        // A sequence that stopped inside an accepted block has fewer tokens than positions.
+        let committed = s.cached.min(s.tokens.len());
+        let keys = self
+            .kv
+            .register(&s.blocks, &s.tokens, committed, &mut s.chain);
+        if !keys.is_empty() {
+            self.spec.note_prefix_keys(s.id, &keys);
+        }
     }
 
     /// One engine step: take in new requests, admit, plan, draft, run ONE target forward,
@@ -268,7 +317,9 @@ impl Engine {
             self.cfg.max_running,
             &self.limits(),
         );
-        for mut s in self.waiting.drain(..n) {
+        let admitted: Vec<Seq> = self.waiting.drain(..n).collect();
+        for mut s in admitted {
+            self.attach_prefix(&mut s);
             if !s.queued_metric_done {
                 self.metrics
                     .queue_time
@@ -397,6 +448,7 @@ impl Engine {
                 let (id, cached) = (s.id, s.cached);
                 self.spec
                     .commit(id, &out.hidden, first_row, sb.tokens.len(), cached, None)?;
+                self.register_blocks(i);
                 continue;
             }
             let rows = &out.logits[row..row + sb.num_logits];
@@ -461,6 +513,8 @@ impl Engine {
                     break;
                 }
             }
+            // The accepted drafts are in `tokens` now: register the committed blocks.
+            self.register_blocks(i);
             let s = &self.running[i];
             self.spec.observe(s.id, &s.tokens);
         }
@@ -481,6 +535,7 @@ impl Engine {
                 completion_tokens: s.generated(),
                 draft_tokens: s.draft_tokens,
                 accepted_draft_tokens: s.accepted_tokens,
+                cached_tokens: s.cached_prompt.unwrap_or(0),
             },
         });
     }

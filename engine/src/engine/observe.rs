@@ -65,6 +65,14 @@ impl Engine {
         self.metrics
             .kv_usage
             .set(used as f64 / self.kv.total_blocks() as f64);
+        self.metrics
+            .prefix_blocks
+            .set(self.kv.registered_blocks() as i64);
+        let evicted = self.kv.prefix_stats().evictions;
+        let seen = self.metrics.prefix_evictions.get();
+        if evicted > seen {
+            self.metrics.prefix_evictions.inc_by(evicted - seen);
+        }
     }
 
     /// Records a committed token's latency: TTFT for the first, otherwise the inter-token

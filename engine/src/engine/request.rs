@@ -39,6 +39,8 @@ pub struct Usage {
     /// Draft tokens sent to verification and how many of them the target accepted.
     pub draft_tokens: usize,
     pub accepted_draft_tokens: usize,
+    /// Prompt tokens served from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 #[derive(Debug)]

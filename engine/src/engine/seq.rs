@@ -1,6 +1,7 @@
 //! One sequence's state while it is in the engine.
 
 use super::request::GenRequest;
+use crate::kv::Chain;
 use crate::sampling::History;
 use crate::tokenizer::StreamDecoder;
 use dspark_telemetry::TRACE_TARGET;
@@ -16,6 +17,10 @@ pub(super) struct Seq {
     /// Positions whose keys/values are in the cache.
     pub cached: usize,
     pub blocks: Vec<u32>,
+    /// How far its blocks are registered in the prefix cache.
+    pub chain: Chain,
+    /// Prompt tokens the prefix cache served at its first admission.
+    pub cached_prompt: Option<usize>,
     pub rng: ChaCha8Rng,
     /// What the request's penalties read (the generated tokens, the prompt's when needed).
     pub history: History,
@@ -45,6 +50,8 @@ impl Seq {
             prompt_len: req.prompt.len(),
             cached: 0,
             blocks: Vec::new(),
+            chain: Chain::default(),
+            cached_prompt: None,
             rng: ChaCha8Rng::seed_from_u64(seed),
             history: History::new(&req.prompt, &req.params),
             decoder: StreamDecoder::default(),

@@ -227,7 +227,7 @@ impl BlockPool {
             return keys;
         }
         let bs = self.block_size;
-        let full = (committed / bs).min(table.len());
+        let full = (committed.min(tokens.len()) / bs).min(table.len());
         for i in chain.blocks..full {
             let t = &tokens[i * bs..(i + 1) * bs];
             let h = self.hash_block(chain.hash, t);

@@ -186,7 +186,10 @@ impl KvCache {
     }
 
     /// Prefix-cache counters.
-    pub fn prefix_stats(&mut self) -> &mut PrefixStats {
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.pool.stats
+    }
+    pub fn prefix_stats_mut(&mut self) -> &mut PrefixStats {
         &mut self.pool.stats
     }
     /// Cached (unreferenced, reusable) blocks.

@@ -138,7 +138,7 @@ pub async fn respond<R: Render>(
         }
     }
     if v.stream {
-        let stream = sse(rxs, guard, render, prompt_tokens, v.include_usage);
+        let stream = sse(rxs, guard, render, prompt_tokens, v.n, v.include_usage);
         return Ok(Sse::new(stream)
             .keep_alive(KeepAlive::default())
             .into_response());
@@ -152,7 +152,7 @@ pub async fn respond<R: Render>(
     let mut choices = Vec::with_capacity(results.len());
     for (index, r) in results.into_iter().enumerate() {
         let (text, lps, reason, u) = r?;
-        add_usage(&mut usage, &u);
+        add_usage(&mut usage, &u, index % v.n == 0);
         choices.push(Finished {
             index,
             text,
@@ -163,7 +163,12 @@ pub async fn respond<R: Render>(
     Ok(Json(render.answer(choices, usage)).into_response())
 }
 
-fn add_usage(total: &mut UsageOut, u: &Usage) {
+/// Adds one choice's usage; `first_of_prompt`: its prompt's first choice (the prompt and
+/// its cached tokens count once).
+fn add_usage(total: &mut UsageOut, u: &Usage, first_of_prompt: bool) {
+    if first_of_prompt {
+        total.prompt_tokens_details.cached_tokens += u.cached_tokens;
+    }
     total.completion_tokens += u.completion_tokens;
     total.total_tokens = total.prompt_tokens + total.completion_tokens;
     total.draft_tokens += u.draft_tokens;
@@ -199,6 +204,7 @@ fn sse<R: Render>(
     guard: InflightGuard,
     mut render: R,
     prompt_tokens: usize,
+    n: usize,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let choices = rxs.len();
@@ -234,7 +240,7 @@ fn sse<R: Render>(
                         first[i] = false;
                     }
                     out.push(frame(&render.finish(i, reason.as_str())));
-                    add_usage(&mut usage, &u);
+                    add_usage(&mut usage, &u, i % n == 0);
                     open -= 1;
                     if open == 0 {
                         if include_usage {

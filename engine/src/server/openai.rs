@@ -262,6 +262,13 @@ pub struct UsageOut {
     /// Extension: draft tokens sent to verification and how many the target accepted.
     pub draft_tokens: usize,
     pub accepted_draft_tokens: usize,
+    /// As OpenAI reports it: prompt tokens served from the prefix cache.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Serialize, Default, Clone)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 /// `/v1/chat/completions` answer.

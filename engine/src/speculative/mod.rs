@@ -52,6 +52,14 @@ impl Speculation {
             Speculation::DSparkRnn => "dspark-rnn",
         }
     }
+
+    /// Drafts with a model fed with the target's hidden states (it keeps a context cache).
+    pub fn uses_model_drafter(&self) -> bool {
+        matches!(
+            self,
+            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn
+        )
+    }
 }
 
 /// A proposed block after the anchor (the last committed token).

@@ -109,6 +109,10 @@ struct SeqState {
     shadow: Option<(usize, Vec<u32>)>,
     /// Lost its drafter context (backlog over [`DETACH_ROWS`]): never drafts again.
     detached: bool,
+    /// The target's prefix-cache keys of this sequence's full blocks, and how many of its
+    /// drafter blocks are registered under them (a block is once all its positions are fed).
+    prefix_keys: Vec<u64>,
+    draft_registered: usize,
     /// This sequence's own recent acceptance.
     own: AcceptanceStats,
     /// Step counter value when it last drafted (probe order).
@@ -124,6 +128,8 @@ impl SeqState {
             pending: PendingFeatures::default(),
             shadow: None,
             detached: false,
+            prefix_keys: Vec::new(),
+            draft_registered: 0,
             own: AcceptanceStats::new(positions, OWN_HALF_LIFE),
             last_drafted: 0,
         }
@@ -578,6 +584,73 @@ impl Speculator {
         Ok(())
     }
 
+    /// Turns prefix caching on in the drafter's context cache (keyed by the target's keys).
+    pub fn enable_prefix_cache(&mut self) {
+        if let Some(d) = self.drafter.as_mut() {
+            d.kv.enable_prefix_cache("drafter");
+        }
+    }
+
+    /// How many of the leading target prefix-cache `keys` a new sequence may start on: all of
+    /// them without a model drafter, else as many as the drafter's context cache holds too
+    /// (the target computes the rest, so the drafter's context is the same as without a hit).
+    pub fn shared_prefix(&self, keys: &[u64]) -> usize {
+        match &self.drafter {
+            Some(d) if self.kind.uses_model_drafter() => d.kv.lookup_keys(keys).len(),
+            _ => keys.len(),
+        }
+    }
+
+    /// A sequence starts on the first `keys.len()` cached blocks: its drafter context
+    /// shares the drafter blocks registered under the same keys.
+    pub fn attach_prefix(&mut self, id: u64, keys: &[u64]) {
+        let block = self.block();
+        let Some(d) = self.drafter.as_mut() else {
+            return;
+        };
+        if keys.is_empty() || !self.kind.uses_model_drafter() {
+            return;
+        }
+        let blocks = d.kv.lookup_keys(keys);
+        debug_assert_eq!(blocks.len(), keys.len(), "shared_prefix bounds the hit");
+        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+        st.draft_blocks = d.kv.share(&blocks);
+        st.draft_fed = blocks.len() * d.kv.block_size;
+        st.prefix_keys = keys[..blocks.len()].to_vec();
+        st.draft_registered = blocks.len();
+    }
+
+    /// The target registered more of sequence `id`'s blocks under `keys`.
+    pub fn note_prefix_keys(&mut self, id: u64, keys: &[u64]) {
+        if self.drafter.is_none() || !self.kind.uses_model_drafter() {
+            return;
+        }
+        let block = self.block();
+        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+        st.prefix_keys.extend_from_slice(keys);
+        self.register_drafter_blocks(id);
+    }
+
+    /// Registers sequence `id`'s drafter blocks whose positions are all fed under the
+    /// target's keys.
+    fn register_drafter_blocks(&mut self, id: u64) {
+        let (Some(d), Some(st)) = (self.drafter.as_mut(), self.seqs.get_mut(&id)) else {
+            return;
+        };
+        if st.detached {
+            return;
+        }
+        let bs = d.kv.block_size;
+        while st.draft_registered < st.prefix_keys.len()
+            && (st.draft_registered + 1) * bs <= st.draft_fed
+            && st.draft_registered < st.draft_blocks.len()
+        {
+            let i = st.draft_registered;
+            d.kv.register_key(&st.draft_blocks, i, st.prefix_keys[i]);
+            st.draft_registered += 1;
+        }
+    }
+
     /// Writes the held rows of sequences `ids` into the drafter's context cache in one
     /// batched call. A sequence the drafter cache cannot hold keeps its backlog.
     fn feed(&mut self, ids: &[u64]) -> Result<()> {
@@ -619,6 +692,9 @@ impl Speculator {
             if c.is_some() {
                 s.draft_ctx = c;
             }
+        }
+        for id in &fed {
+            self.register_drafter_blocks(*id);
         }
         Ok(())
     }
