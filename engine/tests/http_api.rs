@@ -703,3 +703,30 @@ fn a_repeated_conversation_is_served_from_the_prefix_cache() {
     assert_eq!(c["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(c["choices"][0]["message"], b["choices"][0]["message"]);
 }
+
+/// The `n` choices of one prompt prefill it once: the others wait for its full blocks and
+/// start on them from the prefix cache (the prompt-token counter sees the prompt once, plus
+/// each choice's last partial block).
+#[test]
+fn n_choices_of_one_prompt_prefill_it_once() {
+    let s = spawn(EngineConfig::default(), 64);
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(20);
+    let before = metric(&metrics_text(&s), "dspark_prompt_tokens_total");
+    let (code, r) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "smollm2", "prompt": prompt, "n": 4, "max_tokens": 4, "temperature": 1.0, "seed": 1}),
+    );
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["choices"].as_array().unwrap().len(), 4);
+    let len = r["usage"]["prompt_tokens"].as_f64().unwrap();
+    let m = metrics_text(&s);
+    let prefilled = metric(&m, "dspark_prompt_tokens_total") - before;
+    println!("{prefilled} prompt tokens prefilled for 4 choices of {len}");
+    assert!(len > 150.0, "{len}");
+    assert!(
+        prefilled <= len + 3.0 * 16.0,
+        "{prefilled} prompt tokens prefilled for 4 x {len}"
+    );
+    assert!(metric(&m, "dspark_prefix_cache_hits_total") >= 3.0 * (len - 16.0));
+}

@@ -206,6 +206,34 @@ impl Engine {
         }
     }
 
+    /// Whether `s` should wait because a running sequence is still prefilling full blocks
+    /// that `s` starts with too: once they are computed, `s` starts on them from the prefix
+    /// cache instead of computing them again (the `n` choices of one prompt, requests with
+    /// one system prompt arriving together).
+    fn waits_for_shared_prefill<'a>(
+        &'a self,
+        s: &Seq,
+        ahead: impl Iterator<Item = &'a Seq>,
+    ) -> bool {
+        let bs = self.kv.block_size;
+        if !self.kv.prefix_cache() || s.cached > 0 || s.tokens.len() <= bs {
+            return false;
+        }
+        self.running.iter().chain(ahead).any(|r| {
+            if r.cached >= r.prompt_len || r.tokens.len() <= bs || r.tokens[..bs] != s.tokens[..bs]
+            {
+                return false;
+            }
+            let common = r
+                .tokens
+                .iter()
+                .zip(&s.tokens[..s.tokens.len() - 1])
+                .take_while(|(a, b)| a == b)
+                .count();
+            r.cached < common / bs * bs
+        })
+    }
+
     /// Registers the sequence's newly committed full blocks in the prefix cache (the
     /// drafter's cache follows with the same keys).
     fn register_blocks(&mut self, i: usize) {
@@ -311,13 +339,27 @@ impl Engine {
 
     /// Moves the sequences the planner admits from the queue to the running list.
     fn admit(&mut self) {
+        // Sequences waiting for another's prefill of their shared prefix stay queued (the
+        // other running, or admitted before them now).
+        let mut eligible: Vec<usize> = Vec::new();
+        for i in 0..self.waiting.len() {
+            let s = &self.waiting[i];
+            let ahead = eligible.iter().map(|&j| &self.waiting[j]);
+            if !self.waits_for_shared_prefill(s, ahead) {
+                eligible.push(i);
+            }
+        }
         let n = planner::admit(
-            self.waiting.iter().map(|s| s.tokens.len()),
+            eligible.iter().map(|&i| self.waiting[i].tokens.len()),
             self.running.len(),
             self.cfg.max_running,
             &self.limits(),
         );
-        let admitted: Vec<Seq> = self.waiting.drain(..n).collect();
+        let mut admitted: Vec<Seq> = Vec::with_capacity(n);
+        for &i in eligible[..n].iter().rev() {
+            admitted.push(self.waiting.remove(i).expect("eligible index"));
+        }
+        admitted.reverse();
         for mut s in admitted {
             self.attach_prefix(&mut s);
             if !s.queued_metric_done {
