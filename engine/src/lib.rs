@@ -3,8 +3,9 @@
 //! It owns everything that touches a model: loading real checkpoints (GGUF, Hugging Face
 //! folders) for Llama, Qwen3 and Gemma 3 ([`model`]) on the engine's own CPU matmul kernels
 //! and thread pool ([`kernels`]), tokenization and chat templates ([`tokenizer`], [`chat`]),
-//! the paged KV cache ([`kv`]), sampling ([`sampling`]), the continuous-batching step loop
-//! ([`engine`]), speculative decoding ([`speculative`]: drafters, the drafting plan and the
+//! the paged KV cache with automatic prefix caching ([`kv`]), sampling with penalties and
+//! bias ([`sampling`]), the continuous-batching step loop ([`engine`]: request contract,
+//! pure batch planner, output, observability), speculative decoding ([`speculative`]: drafters, the drafting plan and the
 //! verify scheduler, lossless verification, behind one `Speculator` the step loop calls),
 //! the online policy experiment ([`experiment`]), the SPS(B) and draft-time cost table in
 //! force ([`cost`]) and its measurement
@@ -13,24 +14,41 @@
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
 //!
 //! Layering: `kernels` <- `model` <- `speculative` <- `engine` <- `server`; `runtime` wires
-//! them; nothing below `engine` imports from it or from `server`.
+//! them; nothing below `engine` imports from it or from `server`. `unsafe` lives only in
+//! `kernels` (SIMD, the thread pool) and `model` (memory-mapped weights, SIMD attention),
+//! each block with its SAFETY note; every other module forbids it.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+#[forbid(unsafe_code)]
 pub mod chat;
+#[forbid(unsafe_code)]
 pub mod cost;
+#[forbid(unsafe_code)]
 pub mod engine;
+#[forbid(unsafe_code)]
 pub mod experiment;
 pub mod kernels;
+#[forbid(unsafe_code)]
 pub mod kv;
+#[forbid(unsafe_code)]
 pub mod metrics;
 pub mod model;
+#[forbid(unsafe_code)]
 pub mod profile;
+#[forbid(unsafe_code)]
 pub mod runtime;
+#[forbid(unsafe_code)]
 pub mod sampling;
+#[forbid(unsafe_code)]
 pub mod server;
+#[forbid(unsafe_code)]
 pub mod speculative;
 #[cfg(test)]
 pub(crate) mod testutil;
+#[forbid(unsafe_code)]
 pub mod tokenizer;
+#[forbid(unsafe_code)]
 pub mod train;
 
 /// Engine version, recorded in cost tables.

@@ -245,6 +245,7 @@ fn worker(s: &Shared, me: usize) {
 pub struct SharedMut<T>(*mut T);
 // SAFETY: users promise disjoint writes (see `slice`).
 unsafe impl<T> Send for SharedMut<T> {}
+// SAFETY: as for `Send`: tasks only touch their own disjoint ranges.
 unsafe impl<T> Sync for SharedMut<T> {}
 impl<T> Clone for SharedMut<T> {
     fn clone(&self) -> Self {

@@ -275,6 +275,7 @@ impl CustomOp3 for PagedAttention {
             // SAFETY: rows r0..r0 + nr, heads h0..h0 + group are written by this task only.
             let mut o: Vec<&mut [f32]> = (r0..r0 + nr)
                 .flat_map(|r| {
+                    // SAFETY: see above; the range lies inside the output buffer.
                     let row = unsafe { optr.slice(((s.q_start + r) * nh + h0) * hd, group * hd) };
                     row.chunks_mut(hd)
                 })
