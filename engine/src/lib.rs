@@ -23,6 +23,8 @@
 #[forbid(unsafe_code)]
 pub mod chat;
 #[forbid(unsafe_code)]
+pub mod constraint;
+#[forbid(unsafe_code)]
 pub mod cost;
 #[forbid(unsafe_code)]
 pub mod engine;

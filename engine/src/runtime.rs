@@ -341,6 +341,13 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         engine = engine.with_drafter(d);
     }
     let experiment = engine.experiment_log();
+    let grammars = match crate::constraint::Grammars::new(tok.clone(), model.cfg.vocab_size) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            tracing::warn!("structured outputs are unavailable for this tokenizer: {e:#}");
+            None
+        }
+    };
     std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || engine.run())?;
@@ -362,6 +369,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         },
         tok,
         template,
+        grammars,
         engine: handle,
         metrics,
         max_seq,

@@ -151,7 +151,35 @@ pub fn edit_logits(
 
 /// The target's processed distribution at a position whose earlier tokens are `hist`.
 pub fn target_dist(logits: &[f32], sp: &SamplingParams, hist: &History) -> Dist {
-    target_probs(&processed_logits(logits, sp, hist), sp)
+    target_dist_masked(logits, sp, hist, None)
+}
+
+/// [`target_dist`] restricted to the tokens `mask` allows (a grammar's, see
+/// [`crate::constraint`]): the others get probability 0, the rest keep their ratios.
+pub fn target_dist_masked(
+    logits: &[f32],
+    sp: &SamplingParams,
+    hist: &History,
+    mask: Option<&crate::constraint::Mask>,
+) -> Dist {
+    let Some(mask) = mask else {
+        return target_probs(&processed_logits(logits, sp, hist), sp);
+    };
+    let mut l = processed_logits(logits, sp, hist).into_owned();
+    let mut any = false;
+    for (i, x) in l.iter_mut().enumerate() {
+        if mask.is_allowed(i as u32) {
+            any = true;
+        } else {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    if !any {
+        // Nothing allowed (cannot happen with a grammar that allows its end tokens): the
+        // unconstrained law, rather than a division by zero.
+        return target_probs(&processed_logits(logits, sp, hist), sp);
+    }
+    target_probs(&l, sp)
 }
 
 /// The target's distributions for a verify block: `rows[j]` is judged after `hist` and the
@@ -162,8 +190,24 @@ pub fn block_dists(
     hist: &History,
     draft: &[u32],
 ) -> Vec<Dist> {
+    block_dists_masked(rows, sp, hist, draft, None)
+}
+
+/// [`block_dists`] with the grammar's mask of each position (`masks[j]`: after `draft[..j]`).
+pub fn block_dists_masked(
+    rows: &[Vec<f32>],
+    sp: &SamplingParams,
+    hist: &History,
+    draft: &[u32],
+    masks: Option<&[crate::constraint::Mask]>,
+) -> Vec<Dist> {
+    let mask = |j: usize| masks.map(|m| &m[j]);
     if !sp.uses_history() {
-        return rows.iter().map(|r| target_dist(r, sp, hist)).collect();
+        return rows
+            .iter()
+            .enumerate()
+            .map(|(j, r)| target_dist_masked(r, sp, hist, mask(j)))
+            .collect();
     }
     let mut h = hist.clone();
     rows.iter()
@@ -172,7 +216,7 @@ pub fn block_dists(
             if j > 0 {
                 h.push(draft[j - 1]);
             }
-            target_dist(r, sp, &h)
+            target_dist_masked(r, sp, &h, mask(j))
         })
         .collect()
 }

@@ -252,6 +252,11 @@ impl TextTokenizer {
 
     /// Encodes text. Special-token strings in `text` become their ids; BOS is prepended
     /// when `add_bos` and the text does not already start with it.
+    /// The tokenizer in Hugging Face's `tokenizer.json` form (what llguidance reads).
+    pub fn to_json(&self) -> Result<String> {
+        self.tk.to_string(false).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
         let enc = self
             .tk

@@ -10,6 +10,10 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
+    spawn_with(engine, kv_mb, None)
+}
+
+fn spawn_with(engine: EngineConfig, kv_mb: usize, drafter: Option<std::path::PathBuf>) -> Server {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -21,7 +25,7 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
         max_model_len: Some(2048),
         engine,
         show_progress: false,
-        drafter: None,
+        drafter,
         cost_table: None,
         startup_profile: false,
     })
@@ -729,4 +733,123 @@ fn n_choices_of_one_prompt_prefill_it_once() {
         "{prefilled} prompt tokens prefilled for 4 x {len}"
     );
     assert!(metric(&m, "dspark_prefix_cache_hits_total") >= 3.0 * (len - 16.0));
+}
+
+/// Structured outputs: `response_format` json_schema / json_object and the guided regex and
+/// Lark extensions give output that follows the constraint, and greedy speculative decoding
+/// (n-gram and the shipped DSpark drafter) gives exactly the constrained plain output.
+/// Bad grammars and two constraints at once are 400s naming the field.
+#[test]
+fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
+    use dspark_engine::speculative::{Speculation, VerifyPolicy};
+    let plain = server();
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer"},
+        "languages": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+        "required": ["name", "age", "languages"], "additionalProperties": false});
+    let cases = [
+        chat(
+            "Describe a fictional programmer as JSON.",
+            json!({"max_tokens": 80, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": true}}}),
+        ),
+        chat(
+            "Give me a short JSON object with the name and country of Paris.",
+            json!({"max_tokens": 200, "temperature": 0,
+            "response_format": {"type": "json_object"}}),
+        ),
+        chat(
+            "What is the phone number?",
+            json!({"max_tokens": 20, "temperature": 0,
+            "guided_regex": "[0-9]{3}-[0-9]{4}"}),
+        ),
+        chat(
+            "Is the sky blue?",
+            json!({"max_tokens": 10, "temperature": 0,
+            "guided_grammar": "start: (\"yes\" | \"no\") \".\""}),
+        ),
+    ];
+    let answer = |base: &str, body: &Value| -> (String, Value) {
+        let (code, r) = post(base, "/v1/chat/completions", body.clone());
+        assert_eq!(code, 200, "{r}");
+        (
+            r["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+            r,
+        )
+    };
+    let expected: Vec<String> = cases.iter().map(|c| answer(&plain.base, c).0).collect();
+    println!("{expected:?}");
+    let person: Value = serde_json::from_str(&expected[0]).expect("schema output parses");
+    assert!(
+        person["name"].is_string() && person["age"].is_i64() && person["languages"].is_array(),
+        "{person}"
+    );
+    assert_eq!(person.as_object().unwrap().len(), 3, "{person}");
+    let paris: Value = serde_json::from_str(&expected[1]).expect("json_object output parses");
+    assert!(paris.is_object());
+    let phone = &expected[2];
+    assert!(
+        phone.len() == 8
+            && phone.chars().enumerate().all(|(i, c)| if i == 3 {
+                c == '-'
+            } else {
+                c.is_ascii_digit()
+            }),
+        "{phone}"
+    );
+    assert!(
+        expected[3] == "yes." || expected[3] == "no.",
+        "{}",
+        expected[3]
+    );
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    for (speculation, drafter) in [
+        (Speculation::Ngram, None),
+        (Speculation::DSparkMarkov, Some(shipped)),
+    ] {
+        let s = spawn_with(
+            EngineConfig {
+                speculation,
+                policy: VerifyPolicy::Fixed { gamma: 4 },
+                ..Default::default()
+            },
+            64,
+            drafter,
+        );
+        let mut drafted = 0;
+        for (c, want) in cases.iter().zip(&expected) {
+            let (got, r) = answer(&s.base, c);
+            assert_eq!(&got, want, "{speculation:?}: constrained output differs");
+            drafted += r["usage"]["draft_tokens"].as_u64().unwrap();
+        }
+        assert!(drafted > 0, "{speculation:?} never drafted");
+    }
+    for (extra, param) in [
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+        (json!({"guided_regex": "(unclosed"}), "guided_regex"),
+        (
+            json!({"guided_regex": "a", "guided_grammar": "start: \"a\""}),
+            "guided_grammar",
+        ),
+    ] {
+        let (code, e) = post(
+            &plain.base,
+            "/v1/chat/completions",
+            chat("x", extra.clone()),
+        );
+        assert_eq!(code, 400, "{extra}: {e}");
+        assert_eq!(e["error"]["param"], param, "{extra}: {e}");
+    }
 }

@@ -196,6 +196,7 @@ fn submit_all(
                 arrived: Instant::now(),
                 span: tracing::Span::none(),
                 operation: "text_completion",
+                constraint: None,
             })
             .unwrap();
         rxs.push(rx);

@@ -30,7 +30,7 @@ use crate::experiment::Experiment;
 use crate::kv::KvCache;
 use crate::metrics::Metrics;
 use crate::model::{Model, SeqBatch};
-use crate::sampling::{block_dists, target_dist};
+use crate::sampling::{block_dists_masked, target_dist_masked};
 pub use crate::speculative::speculator::Drafter;
 use crate::speculative::speculator::{Candidate, Speculator, Verified};
 use crate::speculative::{verify::verify, Proposal, Speculation};
@@ -497,16 +497,49 @@ impl Engine {
             row += sb.num_logits;
             let (commit, accepted) = match &pl.proposal {
                 None => {
-                    let tok = target_dist(&rows[0], &s.req.params, &s.history).sample(&mut s.rng);
+                    let mask = s.constraint.as_mut().map(|c| c.mask()).transpose()?;
+                    let tok =
+                        target_dist_masked(&rows[0], &s.req.params, &s.history, mask.as_ref())
+                            .sample(&mut s.rng);
                     (vec![tok], 0)
                 }
                 Some(p) => {
-                    // Each position is judged after the draft tokens before it.
-                    let dists = block_dists(rows, &s.req.params, &s.history, &p.tokens);
-                    let v = verify(&p.tokens, &p.q, &dists, &mut s.rng);
+                    // Under a grammar the block is judged up to its first forbidden token,
+                    // which stays in (target probability 0: rejected for certain, the
+                    // residual sampled, as lossless rejection sampling needs); each
+                    // position is judged after the drafts before it.
+                    let (masks, allowed) = match s.constraint.as_mut() {
+                        Some(c) => {
+                            let (m, k) = c.walk(&p.tokens)?;
+                            (Some(m), k)
+                        }
+                        None => (None, p.tokens.len()),
+                    };
+                    let mut dists = block_dists_masked(
+                        &rows[..=allowed],
+                        &s.req.params,
+                        &s.history,
+                        &p.tokens[..allowed],
+                        masks.as_deref(),
+                    );
+                    let judged = if allowed < p.tokens.len() {
+                        // Never read: the forbidden token before it is rejected.
+                        dists.push(dists[allowed].clone());
+                        allowed + 1
+                    } else {
+                        allowed
+                    };
+                    let v = verify(&p.tokens[..judged], &p.q[..judged], &dists, &mut s.rng);
+                    if let Some(c) = s.constraint.as_mut() {
+                        c.rollback(allowed - v.accepted)?;
+                    }
                     (v.tokens, v.accepted)
                 }
             };
+            if let Some(c) = s.constraint.as_mut() {
+                // The final token (sampled or the verify's correction / bonus).
+                c.consume(*commit.last().expect("one token at least"))?;
+            }
             // Keys/values are valid for the fed tokens up to the last accepted draft;
             // rejected positions are rolled back.
             let drafted = pl.drafted();
@@ -554,6 +587,15 @@ impl Engine {
                     finished.push((i, reason));
                     break;
                 }
+            }
+            let done = finished
+                .last()
+                .is_some_and(|f: &(usize, FinishReason)| f.0 == i);
+            let s = &mut self.running[i];
+            if !done && s.constraint.as_ref().is_some_and(|c| c.is_stopped()) {
+                // The grammar is complete: nothing but the end may follow.
+                output::flush(s);
+                finished.push((i, FinishReason::Stop));
             }
             // The accepted drafts are in `tokens` now: register the committed blocks.
             self.register_blocks(i);

@@ -67,6 +67,18 @@ pub(super) fn emit_token(
     reason
 }
 
+/// Sends the text still held back (a sequence that ends for another reason than a token).
+pub(super) fn flush(s: &mut Seq) {
+    if s.text.len() > s.sent {
+        let text = s.text[s.sent..].to_string();
+        s.sent = s.text.len();
+        let _ = s.req.events.send(Event::Delta {
+            text,
+            logprobs: Vec::new(),
+        });
+    }
+}
+
 fn max_len(stops: &[String]) -> usize {
     stops.iter().map(|s| s.len()).max().unwrap_or(0)
 }

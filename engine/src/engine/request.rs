@@ -73,6 +73,8 @@ pub struct GenRequest {
     pub span: tracing::Span,
     /// GenAI operation name: `chat` or `text_completion`.
     pub operation: &'static str,
+    /// Structured output: the grammar the output must follow.
+    pub constraint: Option<crate::constraint::Constraint>,
 }
 
 /// The HTTP side's handle on the engine thread.

@@ -24,6 +24,8 @@ pub(super) struct Seq {
     pub rng: ChaCha8Rng,
     /// What the request's penalties read (the generated tokens, the prompt's when needed).
     pub history: History,
+    /// The grammar state of a structured output.
+    pub constraint: Option<crate::constraint::Constraint>,
     pub decoder: StreamDecoder,
     /// Generated text so far (cut at a stop string).
     pub text: String,
@@ -42,7 +44,8 @@ pub(super) struct Seq {
 
 impl Seq {
     /// A queued sequence for `req` (its sampler seeded from the request or at random).
-    pub fn new(id: u64, req: GenRequest) -> Self {
+    pub fn new(id: u64, mut req: GenRequest) -> Self {
+        let constraint = req.constraint.take();
         let seed = req.params.seed.unwrap_or_else(rand::random);
         Seq {
             id,
@@ -54,6 +57,7 @@ impl Seq {
             cached_prompt: None,
             rng: ChaCha8Rng::seed_from_u64(seed),
             history: History::new(&req.prompt, &req.params),
+            constraint,
             decoder: StreamDecoder::default(),
             text: String::new(),
             sent: 0,

@@ -97,6 +97,10 @@ pub async fn respond<R: Render>(
             "the server is shutting down; retry on another replica",
         ));
     }
+    let constraint = match &v.grammar {
+        None => None,
+        Some((param, spec)) => Some(compile(st, param, spec.clone()).await?),
+    };
     st.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = InflightGuard(st.clone());
     let several = prompts.len() * v.n > 1;
@@ -126,6 +130,7 @@ pub async fn respond<R: Render>(
                     arrived: Instant::now(),
                     span: seq_span,
                     operation,
+                    constraint: constraint.as_ref().map(|c| c.fork()),
                 })
                 .map_err(|e| match e {
                     SubmitError::QueueFull(_) => {
@@ -165,6 +170,24 @@ pub async fn respond<R: Render>(
 
 /// Adds one choice's usage; `first_of_prompt`: its prompt's first choice (the prompt and
 /// its cached tokens count once).
+/// Compiles a structured-output grammar off the async runtime; errors name `param`.
+async fn compile(
+    st: &Arc<AppState>,
+    param: &'static str,
+    spec: crate::constraint::GrammarSpec,
+) -> Result<crate::constraint::Constraint, ApiError> {
+    let Some(g) = st.grammars.clone() else {
+        return Err(ApiError::invalid(
+            param,
+            "structured outputs are not available for this model's tokenizer",
+        ));
+    };
+    tokio::task::spawn_blocking(move || g.compile(&spec))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::invalid(param, format!("invalid {param}: {e:#}")))
+}
+
 fn add_usage(total: &mut UsageOut, u: &Usage, first_of_prompt: bool) {
     if first_of_prompt {
         total.prompt_tokens_details.cached_tokens += u.cached_tokens;

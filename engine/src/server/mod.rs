@@ -44,6 +44,8 @@ pub struct AppState {
     pub policy: String,
     pub tok: Arc<TextTokenizer>,
     pub template: ChatTemplate,
+    /// Structured outputs (`None` when llguidance could not read the tokenizer).
+    pub grammars: Option<Arc<crate::constraint::Grammars>>,
     pub engine: EngineHandle,
     pub metrics: Arc<Metrics>,
     /// Longest prompt + completion one request may use.

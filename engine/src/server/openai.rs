@@ -93,6 +93,14 @@ pub struct CommonParams {
     pub frequency_penalty: Option<f32>,
     /// Token id (as a string, OpenAI's form) -> bias added to its logit.
     pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    /// "strict"}}`.
+    pub response_format: Option<serde_json::Value>,
+    /// Extensions (vLLM's guided decoding): a JSON schema, a regular expression, a Lark
+    /// grammar the output must follow.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_grammar: Option<String>,
     /// Extension (vLLM): drop tokens below `min_p` times the most likely one's probability.
     pub min_p: Option<f32>,
     /// Extension (vLLM, Hugging Face): penalise tokens already in the prompt or output.
@@ -131,6 +139,8 @@ pub struct Validated {
     pub params: crate::sampling::SamplingParams,
     /// Choices per prompt.
     pub n: usize,
+    /// Structured output: the grammar and the request field that gave it.
+    pub grammar: Option<(&'static str, crate::constraint::GrammarSpec)>,
     pub max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -246,12 +256,68 @@ pub fn validate_common(c: &CommonParams, vocab_size: usize) -> Result<Validated,
             logit_bias,
         },
         n: n as usize,
+        grammar: grammar_of(c)?,
         max_tokens: max_tokens.map(|m| m as usize),
         stop,
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         ignore_eos: c.ignore_eos,
     })
+}
+
+/// The structured-output grammar a request asks for (at most one of its fields).
+fn grammar_of(
+    c: &CommonParams,
+) -> Result<Option<(&'static str, crate::constraint::GrammarSpec)>, ApiError> {
+    use crate::constraint::GrammarSpec;
+    let mut found: Vec<(&'static str, GrammarSpec)> = Vec::new();
+    if let Some(rf) = &c.response_format {
+        let kind = rf.get("type").and_then(|t| t.as_str()).unwrap_or("");
+        match kind {
+            "text" => {}
+            "json_object" => found.push(("response_format", GrammarSpec::JsonObject)),
+            "json_schema" => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .cloned()
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "response_format",
+                            "response_format json_schema needs json_schema.schema",
+                        )
+                    })?;
+                found.push(("response_format", GrammarSpec::JsonSchema(schema)));
+            }
+            other => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
+                        "response_format type '{other}' is not supported (text, json_object, json_schema)"
+                    ),
+                ))
+            }
+        }
+    }
+    if let Some(s) = &c.guided_json {
+        found.push(("guided_json", GrammarSpec::JsonSchema(s.clone())));
+    }
+    if let Some(r) = &c.guided_regex {
+        found.push(("guided_regex", GrammarSpec::Regex(r.clone())));
+    }
+    if let Some(g) = &c.guided_grammar {
+        found.push(("guided_grammar", GrammarSpec::Lark(g.clone())));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::invalid(
+            found[1].0,
+            format!(
+                "one structured-output constraint per request ({} and {} given)",
+                found[0].0, found[1].0
+            ),
+        ));
+    }
+    Ok(found.pop())
 }
 
 #[derive(Debug, Serialize, Default, Clone)]
