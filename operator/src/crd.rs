@@ -8,18 +8,24 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{EnvVar, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration,
+    TopologySpreadConstraint,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A model served by DSpark engine pods on one or more node pools, sized by SLO.
 ///
-/// The `/scale` subresource scales the TOTAL number of engine replicas over all pools
-/// (`spec.replicas`); the operator spreads it over the pools, cheapest pool that meets the SLO
-/// first, within each pool's min/max. `status.selector` selects every engine pod of the
-/// deployment. While `spec.replicas` is unset the SLO autoscaler chooses the total.
+/// The `/scale` subresource reads and writes the TOTAL number of engine replicas over all
+/// pools (`spec.replicas`); `status.selector` selects every engine pod of the deployment.
+/// Who owns that total is `spec.scaling.mode`: `SLO` (the operator's SLO autoscaler chooses
+/// it and writes it to `spec.replicas`) or `External` (an HPA, KEDA or `kubectl scale` sets it
+/// and the operator spreads it over the pools, cheapest pool that meets the SLO first, within
+/// each pool's min/max).
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "serving.dspark.dev",
@@ -47,8 +53,8 @@ use serde::{Deserialize, Serialize};
 )]
 #[x_kube(
     validation = Rule::new("self.pools.all(p, self.pools.exists_one(q, q.name == p.name))").message("spec.pools: pool names must be unique"),
-    validation = Rule::new("!has(self.replicas) || self.replicas >= self.pools.map(p, p.minReplicas).sum()").message("spec.replicas is below the sum of the pools' minReplicas"),
-    validation = Rule::new("!has(self.replicas) || self.replicas <= self.pools.map(p, p.maxReplicas).sum()").message("spec.replicas is above the sum of the pools' maxReplicas"),
+    validation = Rule::new("!has(self.replicas) || (has(self.scaling) && has(self.scaling.mode) && self.scaling.mode == 'SLO') || self.replicas >= self.pools.map(p, p.minReplicas).sum()").message("spec.replicas is below the sum of the pools' minReplicas"),
+    validation = Rule::new("!has(self.replicas) || (has(self.scaling) && has(self.scaling.mode) && self.scaling.mode == 'SLO') || self.replicas <= self.pools.map(p, p.maxReplicas).sum()").message("spec.replicas is above the sum of the pools' maxReplicas"),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct DSparkDeploymentSpec {
@@ -62,12 +68,22 @@ pub struct DSparkDeploymentSpec {
     pub engine: EngineSpec,
     /// Node pools (one engine Deployment per pool).
     #[x_kube(validation = Rule::new("self.size() > 0").message("spec.pools must name at least one node pool"))]
-    #[schemars(length(max = 8))]
+    #[schemars(
+        length(max = 8),
+        extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"])
+    )]
     pub pools: Vec<NodePool>,
-    /// Total replicas over all pools, driven by the `/scale` subresource (HPA, KEDA,
-    /// `kubectl scale`). Unset: the SLO autoscaler chooses.
+    /// Total replicas over all pools: the `/scale` subresource's replica count. In `External`
+    /// scaling mode the input (HPA, KEDA, `kubectl scale`; unset: the operator writes the
+    /// current total); in `SLO` mode written by the operator (the autoscaler's total).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<i32>,
+    /// Who owns the replica count (`mode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<ScalingSpec>,
+    /// Pod-level platform settings merged into the engine pods and the profiling Jobs' pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_template: Option<PodTemplateOverrides>,
     /// Latency objectives the autoscaler keeps.
     pub slo: Slo,
     /// Verify-length scheduler of the engine.
@@ -147,6 +163,104 @@ pub struct EngineSpec {
     /// CPU and memory; the GPU request comes from the pool.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+    /// On SIGTERM, how long in-flight requests may finish (`serve --drain-timeout-secs`;
+    /// default 30). The pods' `terminationGracePeriodSeconds` defaults to this plus
+    /// [`GRACE_MARGIN_SECONDS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 3600))]
+    pub drain_timeout_seconds: Option<u32>,
+}
+
+/// The engine's drain deadline when `engine.drainTimeoutSeconds` is unset (its own default).
+pub const DEFAULT_DRAIN_SECONDS: u32 = 30;
+/// Seconds of `terminationGracePeriodSeconds` beyond the drain deadline: the engine's exit and
+/// the endpoints' removal after it.
+pub const GRACE_MARGIN_SECONDS: i64 = 15;
+
+/// Who owns the total replica count (`spec.scaling.mode`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScalingMode {
+    /// The SLO autoscaler (`spec.autoscaling`) chooses the total; the operator writes it to
+    /// `spec.replicas`, so `/scale` reads it (a write there is overwritten).
+    #[serde(rename = "SLO")]
+    Slo,
+    /// `spec.replicas` (through `/scale`: HPA, KEDA, `kubectl scale`) sets the total; the
+    /// operator spreads it over the pools. The SLO autoscaler does not act.
+    External,
+}
+
+/// `spec.scaling`.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ScalingSpec {
+    /// Unset: the operator sets it on its first reconcile, to `External` when `spec.replicas`
+    /// is set and `SLO` otherwise (the behaviour of manifests written before this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ScalingMode>,
+}
+
+/// Extra labels and annotations of the engine and profiling pods (the operator's own labels
+/// win on a clash).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplateMetadata {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// Pod settings of the platform the engines run on.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplateSpecOverrides {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// The pods' ServiceAccount (its token is still not mounted: the engine needs no API
+    /// access).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Added to the pool's tolerations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// Added to the node selector (the pool's terms and its node-type label win).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Default: the engine's drain deadline plus a margin (`engine.drainTimeoutSeconds` + 15).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub termination_grace_period_seconds: Option<i64>,
+}
+
+/// `spec.podTemplate`: merged into every engine pod and profiling pod.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplateOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<PodTemplateMetadata>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<PodTemplateSpecOverrides>,
+}
+
+/// How a pool's engine Deployment replaces its pods (`RollingUpdate`).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Pods above the desired count during a rollout (default 0: a pool that fills its nodes'
+    /// accelerators has no room for an extra pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_surge: Option<IntOrString>,
+    /// Pods below the desired count during a rollout (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<IntOrString>,
 }
 
 /// A group of identical nodes (one GPU type) and how many engine replicas may run there.
@@ -186,6 +300,9 @@ pub struct NodePool {
     #[serde(default = "default_cost")]
     #[schemars(range(min = 0.0))]
     pub cost: f64,
+    /// Rollout of the pool's engine Deployment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
 }
 
 fn default_min_replicas() -> i32 {
@@ -489,8 +606,10 @@ fn default_utilization() -> f64 {
 pub struct DSparkDeploymentStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// Ready, Profiled, Scaling, MetricsAvailable.
+    /// Ready, Available, Progressing, Profiled, Scaling, MetricsAvailable, Stalled (a map by
+    /// type: other controllers may add their own).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// Current replicas over all pools (the `/scale` status).
     #[serde(default)]
@@ -777,6 +896,23 @@ impl EngineSpec {
 }
 
 impl DSparkDeploymentSpec {
+    /// Who owns the replica count: `spec.scaling.mode`, or, while unset, `External` when
+    /// `spec.replicas` is set and `SLO` otherwise.
+    pub fn scaling_mode(&self) -> ScalingMode {
+        match self.scaling.as_ref().and_then(|s| s.mode) {
+            Some(m) => m,
+            None if self.replicas.is_some() => ScalingMode::External,
+            None => ScalingMode::Slo,
+        }
+    }
+
+    /// The engine's drain deadline, seconds.
+    pub fn drain_seconds(&self) -> u32 {
+        self.engine
+            .drain_timeout_seconds
+            .unwrap_or(DEFAULT_DRAIN_SECONDS)
+    }
+
     /// The cost-table key of `pool`.
     pub fn cost_table_key(&self, pool: &NodePool) -> CostTableKey {
         CostTableKey {

@@ -306,7 +306,10 @@ async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
     };
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
-    let dsd = two_pools();
+    let mut dsd = two_pools();
+    dsd.spec.scaling = Some(dspark_operator::crd::ScalingSpec {
+        mode: Some(dspark_operator::crd::ScalingMode::External),
+    });
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
     // The /scale subresource sets the total; the policy spreads it over the pools.
@@ -578,21 +581,31 @@ async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
 /// gaps in (50, 100] ms, counters growing per scrape); the admin API on 8001 records pushes.
 struct FakeEngine {
     pushes: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    /// `/metrics` requests served.
+    scrapes: std::sync::Arc<std::sync::atomic::AtomicU64>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 async fn fake_engine(ip: &str) -> FakeEngine {
+    fake_engine_with_itl(ip, true).await
+}
+
+/// [`fake_engine`]; `slow: false` puts every inter-token gap in (0, 10] ms instead.
+async fn fake_engine_with_itl(ip: &str, slow: bool) -> FakeEngine {
     use axum::routing::{get, put};
     use std::sync::atomic::{AtomicU64, Ordering};
     let scrapes = std::sync::Arc::new(AtomicU64::new(0));
+    let counted = scrapes.clone();
     let metrics = axum::Router::new().route(
         "/metrics",
         get(move || {
-            let n = scrapes.fetch_add(1, Ordering::Relaxed) + 1;
+            let n = counted.fetch_add(1, Ordering::Relaxed) + 1;
             async move {
                 let (tokens, requests) = (100 * n, 10 * n);
+                let fast = if slow { 0 } else { tokens };
                 format!(
-                    "dspark_inter_token_latency_seconds_bucket{{le=\"0.05\"}} 0\n\
+                    "dspark_inter_token_latency_seconds_bucket{{le=\"0.01\"}} {fast}\n\
+                     dspark_inter_token_latency_seconds_bucket{{le=\"0.05\"}} {fast}\n\
                      dspark_inter_token_latency_seconds_bucket{{le=\"0.1\"}} {tokens}\n\
                      dspark_inter_token_latency_seconds_bucket{{le=\"+Inf\"}} {tokens}\n\
                      dspark_inter_token_latency_seconds_count {tokens}\n\
@@ -636,7 +649,11 @@ async fn fake_engine(ip: &str) -> FakeEngine {
             axum::serve(listener, app).await.unwrap();
         }));
     }
-    FakeEngine { pushes, tasks }
+    FakeEngine {
+        pushes,
+        scrapes,
+        tasks,
+    }
 }
 
 /// Plays the kubelet for an engine pod: Running and Ready at `ip`.
@@ -1956,5 +1973,772 @@ async fn rollout_conditions_follow_the_pool_deployments() {
     let available = condition_of(&dsds, "smollm2", "Available").await.unwrap();
     assert_eq!(available.status, "True", "{available:?}");
     handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+/// `GET .../scale` of `name`, if it answers.
+async fn scale_of(dsds: &Api<DSparkDeployment>, name: &str) -> Option<(i32, i32)> {
+    let s = dsds.get_scale(name).await.ok()?;
+    // autoscaling/v1 omits a zero spec.replicas.
+    Some((s.spec?.replicas.unwrap_or(0), s.status?.replicas))
+}
+
+/// `spec.replicas` of the Deployment `name`.
+async fn replicas_of(deployments: &Api<Deployment>, name: &str) -> Option<i32> {
+    deployments.get(name).await.ok()?.spec.replicas
+}
+
+/// The `/scale` contract in both scaling modes. SLO mode (a manifest without `spec.replicas`):
+/// `/scale` answers with the autoscaler's total and a write there is put back. External mode
+/// without `spec.replicas`: `/scale` answers with the current total, and a real autoscaling/v2
+/// HPA (kube-controller-manager) gets the scale (`AbleToScale=True`) and raises the total to
+/// its minimum, which the operator applies to the pool. A pool with `minReplicas: 0` scales to
+/// zero; where the pools' minimum is above zero the apiserver refuses it.
+#[tokio::test]
+async fn scale_answers_in_both_modes_and_an_hpa_drives_the_external_total() {
+    use dspark_operator::crd::{ScalingMode, ScalingSpec};
+    use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+    let Some((client, ns)) = test_env("scale_answers_in_both_modes", "dspark-it-hpa").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+
+    // SLO mode: the mode is written down, /scale reads the autoscaler's total (one replica).
+    let slo = sample("dsparkdeployment-smollm2.yaml");
+    assert!(slo.spec.replicas.is_none() && slo.spec.scaling.is_none());
+    dsds.create(&PostParams::default(), &slo).await.unwrap();
+    let got = wait_for("GET /scale of an SLO-mode deployment", || {
+        let dsds = dsds.clone();
+        async move { scale_of(&dsds, "smollm2").await }
+    })
+    .await;
+    assert_eq!(got.0, 1, "/scale spec.replicas of the SLO total");
+    let d = dsds.get("smollm2").await.unwrap();
+    assert_eq!(
+        d.spec.scaling.and_then(|s| s.mode),
+        Some(ScalingMode::Slo),
+        "the default mode is written down"
+    );
+    // `kubectl scale` does not take the count away from the SLO autoscaler.
+    dsds.patch_scale(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "replicas": 3 } })),
+    )
+    .await
+    .unwrap();
+    wait_for("the SLO total back in /scale", || {
+        let dsds = dsds.clone();
+        async move { (scale_of(&dsds, "smollm2").await?.0 == 1).then_some(()) }
+    })
+    .await;
+    assert_eq!(replicas_of(&deployments, "smollm2-a100").await, Some(1));
+
+    // External mode, no spec.replicas: /scale answers with the current total.
+    let mut ext = sample("dsparkdeployment-hpa.yaml");
+    ext.spec.replicas = None;
+    ext.spec.scaling = Some(ScalingSpec {
+        mode: Some(ScalingMode::External),
+    });
+    dsds.create(&PostParams::default(), &ext).await.unwrap();
+    wait_for("GET /scale of an External deployment", || {
+        let dsds = dsds.clone();
+        async move { (scale_of(&dsds, "hpa-driven").await?.0 == 1).then_some(()) }
+    })
+    .await;
+    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), &ns);
+    let hpa: HorizontalPodAutoscaler = serde_json::from_value(serde_json::json!({
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": { "name": "hpa-driven" },
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "serving.dspark.dev/v1alpha1",
+                "kind": "DSparkDeployment",
+                "name": "hpa-driven"
+            },
+            "minReplicas": 2,
+            "maxReplicas": 3,
+            "metrics": [{ "type": "Resource", "resource": {
+                "name": "cpu", "target": { "type": "Utilization", "averageUtilization": 80 }
+            } }]
+        }
+    }))
+    .unwrap();
+    hpas.create(&PostParams::default(), &hpa).await.unwrap();
+    let able = wait_up_to("the HPA's AbleToScale", Duration::from_secs(150), || {
+        let hpas = hpas.clone();
+        async move {
+            hpas.get("hpa-driven")
+                .await
+                .ok()?
+                .status?
+                .conditions?
+                .into_iter()
+                .find(|c| c.type_ == "AbleToScale")
+                .filter(|c| c.status == "True")
+        }
+    })
+    .await;
+    assert!(
+        matches!(
+            able.reason.as_deref(),
+            Some("SucceededGetScale" | "SucceededRescale")
+        ),
+        "{able:?}"
+    );
+    wait_up_to(
+        "the HPA's minimum on the pool",
+        Duration::from_secs(90),
+        || {
+            let d = deployments.clone();
+            async move { (replicas_of(&d, "hpa-driven-h100").await? == 2).then_some(()) }
+        },
+    )
+    .await;
+    assert_eq!(scale_of(&dsds, "hpa-driven").await.map(|s| s.0), Some(2));
+
+    // Scale to zero: refused while the pools' minimum is 1, accepted with minReplicas 0.
+    match dsds
+        .patch_scale(
+            "hpa-driven",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "replicas": 0 } })),
+        )
+        .await
+    {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422, "{e}");
+            assert!(
+                e.message
+                    .contains("below the sum of the pools' minReplicas"),
+                "{e}"
+            );
+        }
+        other => panic!("scale to 0 below the pools' minimum: {other:?}"),
+    }
+    let mut zero = sample("dsparkdeployment-hpa.yaml");
+    zero.metadata.name = Some("to-zero".into());
+    zero.spec.pools[0].min_replicas = 0;
+    zero.spec.scaling = Some(ScalingSpec {
+        mode: Some(ScalingMode::External),
+    });
+    dsds.create(&PostParams::default(), &zero).await.unwrap();
+    wait_for("two replicas", || {
+        let d = deployments.clone();
+        async move { (replicas_of(&d, "to-zero-h100").await? == 2).then_some(()) }
+    })
+    .await;
+    dsds.patch_scale(
+        "to-zero",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "replicas": 0 } })),
+    )
+    .await
+    .unwrap();
+    wait_for("zero replicas", || {
+        let d = deployments.clone();
+        async move { (replicas_of(&d, "to-zero-h100").await? == 0).then_some(()) }
+    })
+    .await;
+    wait_for("/scale at zero", || {
+        let dsds = dsds.clone();
+        async move { (scale_of(&dsds, "to-zero").await? == (0, 0)).then_some(()) }
+    })
+    .await;
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+/// `spec.podTemplate` reaches the engine Deployments and the profiling Jobs (and so their
+/// pods: the priority class is resolved by the apiserver's Priority admission), operator
+/// labels win over the template's, the grace period covers the engine's drain deadline, and
+/// each pool's rollout knobs (default maxSurge 0 / maxUnavailable 1) reach its Deployment.
+#[tokio::test]
+async fn the_pod_template_reaches_engine_and_profiling_pods() {
+    use dspark_operator::crd::RolloutSpec;
+    use k8s_openapi::api::core::v1::{PodSpec, ServiceAccount};
+    use k8s_openapi::api::node::v1::RuntimeClass;
+    use k8s_openapi::api::scheduling::v1::PriorityClass;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let Some((client, ns)) = test_env("pod_template", "dspark-it-podtpl").await else {
+        return;
+    };
+    let (pc_name, rc_name) = (format!("{ns}-high"), format!("{ns}-rt"));
+    let pcs: Api<PriorityClass> = Api::all(client.clone());
+    let rcs: Api<RuntimeClass> = Api::all(client.clone());
+    pcs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": { "name": pc_name }, "value": 100000
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    rcs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": { "name": rc_name }, "handler": "runc"
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    Api::<ServiceAccount>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "ServiceAccount", "metadata": { "name": "engine" }
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = two_pools();
+    dsd.spec.engine.drain_timeout_seconds = Some(50);
+    dsd.spec.pools[0].rollout = Some(RolloutSpec {
+        max_surge: Some(IntOrString::Int(1)),
+        max_unavailable: Some(IntOrString::Int(0)),
+    });
+    dsd.spec.pod_template = Some(
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "labels": { "team": "ml", "serving.dspark.dev/pool": "hijacked" },
+                "annotations": { "example.com/owner": "ml-platform" }
+            },
+            "spec": {
+                "imagePullSecrets": [{ "name": "regcred" }],
+                "serviceAccountName": "engine",
+                "priorityClassName": pc_name,
+                "runtimeClassName": rc_name,
+                "affinity": { "nodeAffinity": { "preferredDuringSchedulingIgnoredDuringExecution": [{
+                    "weight": 10,
+                    "preference": { "matchExpressions": [{
+                        "key": "example.com/zone", "operator": "In", "values": ["z1"]
+                    }] }
+                }] } },
+                "tolerations": [{ "key": "example.com/dedicated", "operator": "Exists", "effect": "NoSchedule" }],
+                "topologySpreadConstraints": [{
+                    "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": { "matchLabels": { "serving.dspark.dev/deployment": "qwen3-8b" } }
+                }],
+                "nodeSelector": { "example.com/tier": "gpu", "dspark.dev/node-type": "elsewhere" }
+            }
+        }))
+        .unwrap(),
+    );
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    // Every pod spec the operator writes carries the merged fields.
+    let check = |what: &str,
+                 labels: &std::collections::BTreeMap<String, String>,
+                 annotations: Option<&std::collections::BTreeMap<String, String>>,
+                 pod: &PodSpec,
+                 node_type: &str| {
+        assert_eq!(labels.get("team").map(String::as_str), Some("ml"), "{what}");
+        assert_ne!(
+            labels.get("serving.dspark.dev/pool").map(String::as_str),
+            Some("hijacked"),
+            "{what}"
+        );
+        assert_eq!(
+            annotations
+                .and_then(|a| a.get("example.com/owner"))
+                .map(String::as_str),
+            Some("ml-platform"),
+            "{what}"
+        );
+        assert_eq!(
+            pod.image_pull_secrets.as_ref().map(|s| s[0].name.as_str()),
+            Some("regcred"),
+            "{what}"
+        );
+        assert_eq!(
+            pod.service_account_name.as_deref(),
+            Some("engine"),
+            "{what}"
+        );
+        assert_eq!(pod.automount_service_account_token, Some(false), "{what}");
+        assert_eq!(
+            pod.priority_class_name.as_deref(),
+            Some(pc_name.as_str()),
+            "{what}"
+        );
+        assert_eq!(
+            pod.runtime_class_name.as_deref(),
+            Some(rc_name.as_str()),
+            "{what}"
+        );
+        assert!(
+            pod.affinity
+                .as_ref()
+                .and_then(|a| a.node_affinity.as_ref())
+                .is_some(),
+            "{what}"
+        );
+        let tolerations: Vec<&str> = pod
+            .tolerations
+            .iter()
+            .flatten()
+            .filter_map(|t| t.key.as_deref())
+            .collect();
+        assert!(
+            tolerations.contains(&"nvidia.com/gpu")
+                && tolerations.contains(&"example.com/dedicated"),
+            "{what}: {tolerations:?}"
+        );
+        assert_eq!(
+            pod.topology_spread_constraints.as_ref().map(|t| t.len()),
+            Some(1),
+            "{what}"
+        );
+        let sel = pod.node_selector.clone().unwrap_or_default();
+        assert_eq!(
+            sel.get("example.com/tier").map(String::as_str),
+            Some("gpu"),
+            "{what}"
+        );
+        assert_eq!(
+            sel.get("dspark.dev/node-type").map(String::as_str),
+            Some(node_type),
+            "{what}"
+        );
+        assert_eq!(
+            pod.termination_grace_period_seconds,
+            Some(65),
+            "{what}: drain 50 s + margin"
+        );
+    };
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    for (pool, node_type, strategy) in
+        [("h100", "h100-80gb", (1, 0)), ("a100", "a100-80gb", (0, 1))]
+    {
+        let name = format!("qwen3-8b-{pool}");
+        let d = wait_for(&format!("Deployment {name}"), || {
+            let (d, name) = (deployments.clone(), name.clone());
+            async move { d.get(&name).await.ok() }
+        })
+        .await;
+        let spec = d.spec;
+        let ru = spec.strategy.unwrap().rolling_update.unwrap();
+        assert_eq!(
+            (ru.max_surge, ru.max_unavailable),
+            (
+                Some(IntOrString::Int(strategy.0)),
+                Some(IntOrString::Int(strategy.1))
+            ),
+            "{name} rollout"
+        );
+        let meta = spec.template.metadata.unwrap();
+        let pod = spec.template.spec.unwrap();
+        check(
+            &name,
+            meta.labels.as_ref().unwrap(),
+            meta.annotations.as_ref(),
+            &pod,
+            node_type,
+        );
+        let args = pod.containers[0].args.clone().unwrap().join(" ");
+        assert!(args.contains("--drain-timeout-secs 50"), "{args}");
+    }
+    let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
+    let job = wait_for("a profiling Job", || {
+        let jobs = jobs.clone();
+        async move {
+            jobs.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|j| j.name_any().starts_with("h100-80gb"))
+        }
+    })
+    .await;
+    let tpl = job.spec.clone().unwrap().template;
+    let meta = tpl.metadata.unwrap();
+    check(
+        "profiling Job",
+        meta.labels.as_ref().unwrap(),
+        meta.annotations.as_ref(),
+        &tpl.spec.unwrap(),
+        "h100-80gb",
+    );
+
+    // The pods exist with the class's priority (admission resolved it).
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    for selector in [
+        "serving.dspark.dev/pool=h100",
+        &format!("job-name={}", job.name_any()),
+    ] {
+        let pod = wait_for(&format!("a pod of {selector}"), || {
+            let (pods, selector) = (pods.clone(), selector.to_string());
+            async move {
+                pods.list(&ListParams::default().labels(&selector))
+                    .await
+                    .ok()?
+                    .items
+                    .into_iter()
+                    .next()
+            }
+        })
+        .await;
+        let spec = pod.spec.unwrap();
+        assert_eq!(spec.priority, Some(100000), "{selector}");
+        assert_eq!(
+            spec.service_account_name.as_deref(),
+            Some("engine"),
+            "{selector}"
+        );
+    }
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+    let _ = pcs.delete(&pc_name, &DeleteParams::default()).await;
+    let _ = rcs.delete(&rc_name, &DeleteParams::default()).await;
+}
+
+/// `spec.pools` and `status.conditions` are maps (by name, by type): a second field manager
+/// adds a pool without a conflict and without touching the first one's, and a condition
+/// another controller writes survives the operator's status writes.
+#[tokio::test]
+async fn pools_and_conditions_merge_by_key_across_field_managers() {
+    let Some((client, ns)) = test_env("lists_merge_by_key", "dspark-it-lists").await else {
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.profiling.enabled = false;
+    dsds.patch(
+        "smollm2",
+        &PatchParams::apply("team-a"),
+        &Patch::Apply(&dsd),
+    )
+    .await
+    .unwrap();
+    let extra = serde_json::json!({
+        "apiVersion": "serving.dspark.dev/v1alpha1", "kind": "DSparkDeployment",
+        "metadata": { "name": "smollm2" },
+        "spec": { "pools": [{
+            "name": "h100", "nodeType": "h100-80gb", "minReplicas": 1, "maxReplicas": 2
+        }] }
+    });
+    dsds.patch(
+        "smollm2",
+        &PatchParams::apply("team-b"),
+        &Patch::Apply(&extra),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("a second manager adding a pool: {e}"));
+    let pools = |d: &DSparkDeployment| -> Vec<String> {
+        d.spec.pools.iter().map(|p| p.name.clone()).collect()
+    };
+    assert_eq!(pools(&dsds.get("smollm2").await.unwrap()), ["a100", "h100"]);
+    // team-a applies its manifest again: team-b's pool stays.
+    dsd.spec.slo.window_seconds = 30;
+    dsds.patch(
+        "smollm2",
+        &PatchParams::apply("team-a"),
+        &Patch::Apply(&dsd),
+    )
+    .await
+    .unwrap();
+    assert_eq!(pools(&dsds.get("smollm2").await.unwrap()), ["a100", "h100"]);
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    for name in ["smollm2-a100", "smollm2-h100"] {
+        wait_for(&format!("Deployment {name}"), || {
+            let d = deployments.clone();
+            async move { d.get(name).await.ok() }
+        })
+        .await;
+    }
+
+    // A policy controller's condition next to the operator's.
+    wait_for("the operator's Ready condition", || {
+        let dsds = dsds.clone();
+        async move { condition_of(&dsds, "smollm2", "Ready").await }
+    })
+    .await;
+    let theirs = serde_json::json!({
+        "apiVersion": "serving.dspark.dev/v1alpha1", "kind": "DSparkDeployment",
+        "metadata": { "name": "smollm2" },
+        "status": { "conditions": [{
+            "type": "PolicyCompliant", "status": "True", "reason": "Checked",
+            "message": "checked by the policy controller",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"
+        }] }
+    });
+    dsds.patch_status(
+        "smollm2",
+        &PatchParams::apply("policy-bot"),
+        &Patch::Apply(&theirs),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("another controller writing its condition: {e}"));
+    // A spec change makes the operator write every one of its conditions again.
+    dsds.patch(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({ "spec": { "slo": { "windowSeconds": 20 } } })),
+    )
+    .await
+    .unwrap();
+    let generation = dsds.get("smollm2").await.unwrap().metadata.generation;
+    let status = wait_for("the operator's conditions at the new generation", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("smollm2").await.ok()?.status?;
+            s.conditions
+                .iter()
+                .filter(|c| c.type_ == "Ready")
+                .all(|c| c.observed_generation == generation)
+                .then_some(s)
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = dsds.get("smollm2").await.unwrap().status.unwrap_or(status);
+    let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert!(types.contains(&"PolicyCompliant"), "{types:?}");
+    assert!(
+        types.contains(&"Ready") && types.contains(&"Scaling"),
+        "{types:?}"
+    );
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+/// A Prometheus server (the real binary) on a free loopback port scraping `targets`
+/// (`address`, target labels) every second; stopped when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    url: String,
+    _dir: std::path::PathBuf,
+}
+
+impl Prometheus {
+    async fn start(targets: &[(&str, serde_json::Value)]) -> Option<Self> {
+        let bin = std::process::Command::new("prometheus")
+            .arg("--version")
+            .output();
+        if bin.is_err() {
+            eprintln!("prometheus is not installed");
+            return None;
+        }
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("dspark-it-prom-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let static_configs: Vec<serde_json::Value> = targets
+            .iter()
+            .map(|(a, l)| serde_json::json!({ "targets": [a], "labels": l }))
+            .collect();
+        let config = serde_json::json!({
+            "global": { "scrape_interval": "1s", "evaluation_interval": "1s" },
+            "scrape_configs": [{ "job_name": "dspark-engine", "static_configs": static_configs }]
+        });
+        std::fs::write(dir.join("prometheus.yml"), config.to_string()).unwrap();
+        let child = std::process::Command::new("prometheus")
+            .arg(format!(
+                "--config.file={}",
+                dir.join("prometheus.yml").display()
+            ))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("prometheus.log")).unwrap())
+            .spawn()
+            .expect("prometheus starts");
+        let p = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            _dir: dir,
+        };
+        wait_for("Prometheus ready", || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+        })
+        .await;
+        Some(p)
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Prometheus mode selects a pool's series by its labels: the pods of deployment `a-b` with
+/// pool `c-d` (`a-b-c-d-*`) match the name prefix `a-b-c-` of deployment `a` with pool `b-c`,
+/// yet each pool sees only its own engine's latency (one fast, one slow), as the real
+/// Prometheus answers. (Deployment `a-b` with pool `c` cannot exist next to `a` with pool
+/// `b-c` at all: both would own the Deployment `a-b-c`.)
+#[tokio::test]
+async fn prometheus_mode_selects_each_pools_series_by_labels() {
+    use dspark_operator::crd::{DSparkDeploymentStatus, MetricsSource};
+    let Some((client, ns)) = test_env("prometheus_labels", "dspark-it-prom").await else {
+        return;
+    };
+    let (fast_ip, slow_ip) = ("127.1.78.1", "127.1.78.2");
+    let fast = fake_engine_with_itl(fast_ip, false).await;
+    let slow = fake_engine_with_itl(slow_ip, true).await;
+    let labels = |pod: &str, deployment: &str, pool: &str| serde_json::json!({ "namespace": ns, "pod": pod, "deployment": deployment, "pool": pool });
+    let targets = [
+        (
+            format!("{fast_ip}:8000"),
+            labels("a-b-c-5d8f9-x1", "a", "b-c"),
+        ),
+        (
+            format!("{slow_ip}:8000"),
+            labels("a-b-c-d-7c6b4-y2", "a-b", "c-d"),
+        ),
+    ];
+    let t: Vec<(&str, serde_json::Value)> = targets
+        .iter()
+        .map(|(a, l)| (a.as_str(), l.clone()))
+        .collect();
+    let Some(prom) = Prometheus::start(&t).await else {
+        assert!(
+            std::env::var("DSPARK_REQUIRE_CLUSTER").as_deref() != Ok("1"),
+            "prometheus is required"
+        );
+        return;
+    };
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    for (name, pool) in [("a", "b-c"), ("a-b", "c-d")] {
+        let mut d = sample("dsparkdeployment-smollm2.yaml");
+        d.metadata.name = Some(name.into());
+        d.spec.pools[0].name = pool.into();
+        d.spec.profiling.enabled = false;
+        d.spec.slo.window_seconds = 5;
+        d.spec.autoscaling.period_seconds = 1;
+        d.spec.autoscaling.mode = AutoscalingMode::Advisory;
+        d.spec.autoscaling.metrics_source = MetricsSource::Prometheus;
+        d.spec.autoscaling.prometheus_url = Some(prom.url.clone());
+        dsds.create(&PostParams::default(), &d).await.unwrap();
+    }
+    let itl = |s: &DSparkDeploymentStatus| s.pools.first().and_then(|p| p.itl_p95_ms);
+    let (a, ab) = wait_up_to("both pools measured", Duration::from_secs(90), || {
+        let dsds = dsds.clone();
+        async move {
+            let a = itl(&dsds.get("a").await.ok()?.status?)?;
+            let ab = itl(&dsds.get("a-b").await.ok()?.status?)?;
+            Some((a, ab))
+        }
+    })
+    .await;
+    assert!(
+        a <= 10.0,
+        "deployment a, pool b-c (fast engine only): p95 ITL {a} ms"
+    );
+    assert!(
+        ab > 50.0,
+        "deployment a-b, pool c (slow engine only): p95 ITL {ab} ms"
+    );
+    assert!(fast.scrapes.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    handle.abort();
+    for t in fast.tasks.into_iter().chain(slow.tasks) {
+        t.abort();
+    }
+    drop(prom);
+    drop_namespace(&client, &ns).await;
+}
+
+/// The admin token (and the metrics scrape) reaches only pods this deployment owns through
+/// pod -> ReplicaSet -> Deployment -> DSparkDeployment: a pod that only copies the engine
+/// pods' labels gets no cost-table push and is never scraped.
+#[tokio::test]
+async fn the_admin_token_goes_only_to_pods_this_deployment_owns() {
+    let Some((client, ns)) = test_env("admin_token_owned_pods", "dspark-it-owned").await else {
+        return;
+    };
+    let (owned_ip, foreign_ip) = ("127.1.79.1", "127.1.79.2");
+    let owned = fake_engine(owned_ip).await;
+    let foreign = fake_engine(foreign_ip).await;
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.slo.window_seconds = 4;
+    dsd.spec.autoscaling.period_seconds = 1;
+    dsd.spec.autoscaling.mode = AutoscalingMode::Advisory;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    let job = wait_for("a profiling Job", || {
+        let cts = cts.clone();
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find_map(|c| c.status?.job)
+        }
+    })
+    .await;
+    finish_profiling_pod(&client, &ns, &job, &table_json("a100-80gb")).await;
+
+    // A pod with the engine pods' labels that nothing of this deployment created.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let impostor: Pod = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": { "name": "smollm2-a100-impostor", "labels": {
+            "serving.dspark.dev/deployment": "smollm2", "serving.dspark.dev/pool": "a100",
+            "app.kubernetes.io/component": "engine", "app.kubernetes.io/managed-by": "dspark-operator"
+        } },
+        "spec": { "nodeName": "gpu-a-0", "containers": [{ "name": "engine", "image": "dspark/engine:0.1.0" }] }
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &impostor)
+        .await
+        .unwrap();
+    make_ready(&client, &ns, "smollm2-a100-impostor", foreign_ip).await;
+    let pod = engine_pod(&pods, "a100", |p| {
+        !p.owner_references().is_empty()
+            && p.spec.as_ref().is_some_and(|s| {
+                s.containers[0]
+                    .args
+                    .as_ref()
+                    .is_some_and(|a| a.contains(&"--cost-table".to_string()))
+            })
+    })
+    .await;
+    make_ready(&client, &ns, &pod.name_any(), owned_ip).await;
+    wait_for("a push to the owned pod", || {
+        let pushes = owned.pushes.clone();
+        async move { pushes.lock().unwrap().first().cloned() }
+    })
+    .await;
+    wait_for("a scrape of the owned pod", || {
+        let n = owned.scrapes.load(std::sync::atomic::Ordering::Relaxed);
+        async move { (n > 0).then_some(()) }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        foreign.pushes.lock().unwrap().is_empty(),
+        "the admin token went to a pod this deployment does not own"
+    );
+    assert_eq!(
+        foreign.scrapes.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a pod this deployment does not own was scraped"
+    );
+    handle.abort();
+    for t in owned.tasks.into_iter().chain(foreign.tasks) {
+        t.abort();
+    }
     drop_namespace(&client, &ns).await;
 }

@@ -38,10 +38,13 @@ pub async fn scrape_pool(
     failed
 }
 
-/// The PromQL queries for one pool: pods `{pod_prefix}-*` in `namespace`, over `window`
-/// seconds.
-pub fn pool_queries(namespace: &str, pod_prefix: &str, window: i64) -> PoolQueries {
-    let sel = format!(r#"namespace="{namespace}",pod=~"{pod_prefix}-.*""#);
+/// The PromQL queries for one pool over `window` seconds: the series labelled
+/// `namespace`, `deployment` and `pool` as config/prometheus/prometheus.yaml labels them
+/// (from the pod's `serving.dspark.dev/deployment` and `serving.dspark.dev/pool` labels).
+/// Labels, not pod-name prefixes: deployment `a` with pool `b-c` and deployment `a-b` with
+/// pool `c` both name their pods `a-b-c-*`.
+pub fn pool_queries(namespace: &str, deployment: &str, pool: &str, window: i64) -> PoolQueries {
+    let sel = format!(r#"namespace="{namespace}",deployment="{deployment}",pool="{pool}""#);
     let rate = |m: &str| format!("sum(rate({m}{{{sel}}}[{window}s]))");
     let p95 = |m: &str| {
         format!("histogram_quantile(0.95, sum by (le) (rate({m}_bucket{{{sel}}}[{window}s])))")
@@ -161,10 +164,15 @@ mod tests {
 
     #[test]
     fn queries_select_the_pool_and_window() {
-        let q = pool_queries("ns", "qwen-h100", 60);
+        let q = pool_queries("ns", "qwen", "h100", 60);
         assert_eq!(
             q.itl_p95,
-            r#"histogram_quantile(0.95, sum by (le) (rate(dspark_inter_token_latency_seconds_bucket{namespace="ns",pod=~"qwen-h100-.*"}[60s])))"#
+            r#"histogram_quantile(0.95, sum by (le) (rate(dspark_inter_token_latency_seconds_bucket{namespace="ns",deployment="qwen",pool="h100"}[60s])))"#
+        );
+        // Deployment `a` + pool `b-c` and deployment `a-b` + pool `c` select different series.
+        assert_ne!(
+            pool_queries("ns", "a", "b-c", 60),
+            pool_queries("ns", "a-b", "c", 60)
         );
         assert!(q
             .acceptance_length

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use dspark_types::{AdminState, CostTable, ErrorBody, PushResponse};
 use hyper::Method;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Patch, PatchParams};
@@ -78,6 +79,49 @@ pub async fn ensure_cost_table(
 pub struct PodTarget {
     pub name: String,
     pub ip: String,
+}
+
+/// The controller owner reference of `meta`, if any.
+fn controller_uid(meta: &kube::api::ObjectMeta) -> Option<(&str, &str)> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| (o.kind.as_str(), o.uid.as_str()))
+}
+
+/// The pods of `pods` this deployment (`owner_uid`) owns through the owner chain
+/// pod -> ReplicaSet -> `deployment` -> DSparkDeployment: each link a controller reference
+/// naming the next object's uid. Labels alone (anyone can copy them) are not enough.
+pub fn owned_pods(
+    pods: &[Pod],
+    replica_sets: &[ReplicaSet],
+    deployment: Option<&Deployment>,
+    owner_uid: &str,
+) -> Vec<Pod> {
+    let Some(dep) = deployment else {
+        return Vec::new();
+    };
+    let Some(dep_uid) = dep.metadata.uid.as_deref() else {
+        return Vec::new();
+    };
+    if owner_uid.is_empty()
+        || controller_uid(&dep.metadata) != Some(("DSparkDeployment", owner_uid))
+    {
+        return Vec::new();
+    }
+    let rs_uids: Vec<&str> = replica_sets
+        .iter()
+        .filter(|rs| controller_uid(&rs.metadata) == Some(("Deployment", dep_uid)))
+        .filter_map(|rs| rs.metadata.uid.as_deref())
+        .collect();
+    pods.iter()
+        .filter(|p| {
+            controller_uid(&p.metadata)
+                .is_some_and(|(kind, uid)| kind == "ReplicaSet" && rs_uids.contains(&uid))
+        })
+        .cloned()
+        .collect()
 }
 
 /// Ready pods with an IP, sorted by name.
@@ -226,6 +270,45 @@ mod tests {
             ..Default::default()
         });
         p
+    }
+
+    fn with_controller<K: kube::Resource>(mut o: K, uid: &str, kind: &str, owner: &str) -> K {
+        o.meta_mut().uid = Some(uid.into());
+        o.meta_mut().owner_references = Some(vec![OwnerReference {
+            kind: kind.into(),
+            uid: owner.into(),
+            controller: Some(true),
+            ..Default::default()
+        }]);
+        o
+    }
+
+    /// Only the chain pod -> ReplicaSet -> Deployment -> this deployment counts.
+    #[test]
+    fn owned_pods_follow_the_owner_chain() {
+        let dep = with_controller(Deployment::default(), "dep", "DSparkDeployment", "dsd");
+        let rs = with_controller(ReplicaSet::default(), "rs", "Deployment", "dep");
+        let stray_rs = with_controller(ReplicaSet::default(), "rs2", "Deployment", "other");
+        let mine = with_controller(
+            pod("mine", Some("127.1.0.2"), true),
+            "p1",
+            "ReplicaSet",
+            "rs",
+        );
+        let stray = with_controller(
+            pod("stray", Some("127.1.0.3"), true),
+            "p2",
+            "ReplicaSet",
+            "rs2",
+        );
+        let forged = with_controller(pod("forged", Some("127.1.0.4"), true), "p3", "Job", "rs");
+        let bare = pod("bare", Some("127.1.0.5"), true);
+        let pods = [mine, stray, forged, bare];
+        let names = |v: Vec<Pod>| v.iter().map(|p| p.name_any()).collect::<Vec<_>>();
+        let rss = [rs, stray_rs];
+        assert_eq!(names(owned_pods(&pods, &rss, Some(&dep), "dsd")), ["mine"]);
+        assert!(owned_pods(&pods, &rss, Some(&dep), "another-dsd").is_empty());
+        assert!(owned_pods(&pods, &rss, None, "dsd").is_empty());
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dspark_types::CostTable;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
@@ -32,6 +32,7 @@ use crate::autoscale::policy::{self, Behavior, PolicyInput, PolicyState, PoolInp
 use crate::autoscale::source;
 use crate::crd::{
     AutoscalingMode, CostTablePhase, DSparkDeployment, MetricsSource, ScalingDecisionStatus,
+    ScalingMode,
 };
 use crate::http::HttpClient;
 use crate::telemetry::Metrics;
@@ -173,7 +174,7 @@ async fn report_failure(dsd: &DSparkDeployment, ctx: &Context, e: &Error, failur
         return;
     }
     let Some(ns) = dsd.namespace() else { return };
-    let old = dsd.status.clone().unwrap_or_default();
+    let old = status::own(&dsd.status.clone().unwrap_or_default());
     let now = profiling::rfc3339(k8s_openapi::jiff::Timestamp::now());
     let new = status::stalled(&old, dsd.metadata.generation, reason, &message, &now);
     if new == old {
@@ -267,6 +268,51 @@ async fn admin_token(ctx: &Context, dsd: &DSparkDeployment, ns: &str) -> Result<
     }
 }
 
+/// Keeps `/scale` answering: writes down the scaling mode while `spec.scaling.mode` is unset
+/// (`External` when `spec.replicas` is set, else `SLO`: what such manifests did before the
+/// field), and `spec.replicas` when the operator owns it (`SLO`: the autoscaler's `total`) or
+/// it is missing (`External`: the current `total`). A merge patch conditional on the
+/// resource version read, so it never overwrites a concurrent write (that one reconciles).
+async fn write_replicas(
+    client: &kube::Client,
+    ns: &str,
+    dsd: &DSparkDeployment,
+    total: i32,
+) -> Result<()> {
+    let mode = dsd.spec.scaling_mode();
+    let mut spec = serde_json::Map::new();
+    if dsd.spec.scaling.as_ref().and_then(|s| s.mode).is_none() {
+        spec.insert("scaling".into(), serde_json::json!({ "mode": mode }));
+    }
+    let replicas = match mode {
+        ScalingMode::Slo => Some(total),
+        ScalingMode::External => dsd.spec.replicas.or(Some(total)),
+    };
+    if replicas != dsd.spec.replicas {
+        spec.insert("replicas".into(), serde_json::json!(replicas));
+    }
+    if spec.is_empty() {
+        return Ok(());
+    }
+    let patch = serde_json::json!({
+        "metadata": { "resourceVersion": dsd.resource_version() },
+        "spec": spec,
+    });
+    let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), ns);
+    api.patch(
+        &dsd.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map_err(|source| Error::Apply {
+        kind: DSparkDeployment::kind(&()).into(),
+        name: dsd.name_any(),
+        source,
+    })?;
+    Ok(())
+}
+
 fn random_token() -> Result<String> {
     use std::io::Read;
     let mut bytes = [0u8; 32];
@@ -301,6 +347,7 @@ async fn reconcile_inner(
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let replica_sets_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
     let mut views: Vec<PoolView> = Vec::new();
     let mut tables: Vec<Option<CostTable>> = Vec::new();
     let mut requeue = Duration::from_secs(spec.autoscaling.period_seconds.max(1) as u64);
@@ -369,13 +416,25 @@ async fn reconcile_inner(
         .await?;
 
         let current = deployments.get_opt(&pool::pool_object_name(dsd, p)).await?;
+        let selector = format!(
+            "{LABEL_DEPLOYMENT}={},{LABEL_POOL}={}",
+            dsd.name_any(),
+            p.name
+        );
         let pods = pods_api
-            .list(&ListParams::default().labels(&format!(
-                "{LABEL_DEPLOYMENT}={},{LABEL_POOL}={}",
-                dsd.name_any(),
-                p.name
-            )))
+            .list(&ListParams::default().labels(&selector))
             .await?;
+        // Only pods this deployment owns (pod -> ReplicaSet -> Deployment -> this) get the
+        // admin token and are scraped; matching labels are not enough.
+        let replica_sets = replica_sets_api
+            .list(&ListParams::default().labels(&selector))
+            .await?;
+        let owned = costs::owned_pods(
+            &pods.items,
+            &replica_sets.items,
+            current.as_ref(),
+            dsd.meta().uid.as_deref().unwrap_or_default(),
+        );
         views.push(PoolView {
             name: p.name.clone(),
             cost_table: ct.name_any(),
@@ -391,7 +450,7 @@ async fn reconcile_inner(
                 .as_ref()
                 .and_then(|d| d.status.as_ref()?.ready_replicas)
                 .unwrap_or(0),
-            ready_pods: costs::ready_pods(&pods.items),
+            ready_pods: costs::ready_pods(&owned),
             desired: 0,
             min: p.min_replicas,
             updated: current
@@ -433,11 +492,7 @@ async fn reconcile_inner(
         for v in &views {
             let obs = match (a.metrics_source, &a.prometheus_url) {
                 (MetricsSource::Prometheus, Some(url)) => {
-                    let q = source::pool_queries(
-                        &ns,
-                        &format!("{}-{}", dsd.name_any(), v.name),
-                        window as i64,
-                    );
+                    let q = source::pool_queries(&ns, &dsd.name_any(), &v.name, window as i64);
                     source::prometheus_observe(&ctx.http, url, &q, max_age).await
                 }
                 _ => {
@@ -456,6 +511,7 @@ async fn reconcile_inner(
         rt.windows.retain(|k, _| views.iter().any(|v| &v.name == k));
         rt.last_eval = Some(now);
     }
+    let external = spec.scaling_mode() == ScalingMode::External;
     let missing = PoolObservation::missing();
     let inputs: Vec<PoolInput<'_>> = spec
         .pools
@@ -485,15 +541,28 @@ async fn reconcile_inner(
             max_down: a.max_scale_down_step,
             target_utilization: a.target_utilization,
         },
-        external_total: spec.replicas,
+        external_total: external.then(|| {
+            let (lo, hi) = spec.pools.iter().fold((0, 0), |(lo, hi), p| {
+                (lo + p.min_replicas, hi + p.max_replicas)
+            });
+            spec.replicas.unwrap_or_else(|| {
+                let now: i32 = spec
+                    .pools
+                    .iter()
+                    .zip(&views)
+                    .map(|(p, v)| v.current.unwrap_or(p.min_replicas))
+                    .sum();
+                now.clamp(lo, hi)
+            })
+        }),
     };
-    let decisions = if (a.enabled && due) || spec.replicas.is_some() {
+    let decisions = if (a.enabled && due) || external {
         Some(policy::decide(&policy_input, &inputs, &mut rt.policy, now))
     } else {
         None
     };
     drop(inputs);
-    let advisory = a.mode == AutoscalingMode::Advisory && spec.replicas.is_none();
+    let advisory = a.mode == AutoscalingMode::Advisory && !external;
     for (i, (p, v)) in spec.pools.iter().zip(views.iter_mut()).enumerate() {
         let current = v.current.unwrap_or(p.min_replicas);
         let mut desired = current.clamp(p.min_replicas, p.max_replicas);
@@ -675,8 +744,10 @@ async fn reconcile_inner(
         }
     }
 
-    // Status.
-    let old = dsd.status.clone().unwrap_or_default();
+    write_replicas(client, &ns, dsd, views.iter().map(|v| v.desired).sum()).await?;
+
+    // Status (only the operator's own conditions: others may add theirs).
+    let old = status::own(&dsd.status.clone().unwrap_or_default());
     let new = status::build(&StatusInput {
         dsd,
         pools: &views,
@@ -690,7 +761,7 @@ async fn reconcile_inner(
         now: &profiling::rfc3339(now_wall),
         old: &old,
     });
-    if dsd.status.as_ref() != Some(&new) {
+    if old != new || dsd.status.is_none() {
         if let Some(c) = status::stalled_condition(&old) {
             publish(
                 ctx,

@@ -21,10 +21,12 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::ByteString;
 use kube::{Resource, ResourceExt};
 
-use crate::crd::{DSparkDeployment, ModelSource, NodePool};
+use crate::crd::{DSparkDeployment, ModelSource, NodePool, GRACE_MARGIN_SECONDS};
 
 /// Label on every object and pod of a DSparkDeployment (the `/scale` selector).
 pub const LABEL_DEPLOYMENT: &str = "serving.dspark.dev/deployment";
+/// Labels under this prefix are the operator's: `spec.podTemplate` cannot set them.
+pub const RESERVED_LABEL_PREFIX: &str = "serving.dspark.dev/";
 /// Label naming the pool of an object or pod.
 pub const LABEL_POOL: &str = "serving.dspark.dev/pool";
 /// Node label holding the node type.
@@ -164,16 +166,44 @@ pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
     }
 }
 
-/// Pod-level placement and security shared by engine and profiling pods.
-pub fn pod_spec_base(pool: &NodePool, containers: Vec<Container>, volumes: Vec<Volume>) -> PodSpec {
-    let mut node_selector = pool.node_selector.clone();
+/// Pod-level placement and security shared by engine and profiling pods, with
+/// `spec.podTemplate` merged in: its node selector and tolerations are added to the pool's
+/// (the pool's terms and the node-type label win), its other fields set. The service-account
+/// token stays unmounted.
+pub fn pod_spec_base(
+    dsd: &DSparkDeployment,
+    pool: &NodePool,
+    containers: Vec<Container>,
+    volumes: Vec<Volume>,
+) -> PodSpec {
+    let t = dsd
+        .spec
+        .pod_template
+        .as_ref()
+        .and_then(|t| t.spec.clone())
+        .unwrap_or_default();
+    let mut node_selector = t.node_selector.clone();
+    node_selector.extend(pool.node_selector.clone());
     node_selector.insert(NODE_TYPE_LABEL.into(), pool.node_type.clone());
+    let mut tolerations = pool.tolerations.clone();
+    tolerations.extend(t.tolerations.iter().cloned());
     PodSpec {
         containers,
         volumes: Some(volumes),
         node_selector: Some(node_selector),
-        tolerations: (!pool.tolerations.is_empty()).then(|| pool.tolerations.clone()),
+        tolerations: (!tolerations.is_empty()).then_some(tolerations),
         automount_service_account_token: Some(false),
+        image_pull_secrets: (!t.image_pull_secrets.is_empty()).then_some(t.image_pull_secrets),
+        service_account_name: t.service_account_name,
+        priority_class_name: t.priority_class_name,
+        runtime_class_name: t.runtime_class_name,
+        affinity: t.affinity,
+        topology_spread_constraints: (!t.topology_spread_constraints.is_empty())
+            .then_some(t.topology_spread_constraints),
+        termination_grace_period_seconds: Some(
+            t.termination_grace_period_seconds
+                .unwrap_or_else(|| i64::from(drain_seconds(dsd)) + GRACE_MARGIN_SECONDS),
+        ),
         security_context: Some(PodSecurityContext {
             run_as_non_root: Some(true),
             run_as_user: Some(ENGINE_UID),
@@ -187,6 +217,50 @@ pub fn pod_spec_base(pool: &NodePool, containers: Vec<Container>, volumes: Vec<V
         }),
         ..Default::default()
     }
+}
+
+/// The metadata of a pod template: `labels` over `spec.podTemplate.metadata`'s (the
+/// operator's labels win and the template's `serving.dspark.dev/*` labels are dropped, so
+/// selectors keep working), and its annotations.
+pub fn pod_template_meta(dsd: &DSparkDeployment, labels: BTreeMap<String, String>) -> ObjectMeta {
+    let t = dsd
+        .spec
+        .pod_template
+        .as_ref()
+        .and_then(|t| t.metadata.clone())
+        .unwrap_or_default();
+    // Labels under the operator's prefix select pods into pools and Services: never taken
+    // from the template.
+    let mut all: BTreeMap<String, String> = t
+        .labels
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with(RESERVED_LABEL_PREFIX))
+        .collect();
+    all.extend(labels);
+    ObjectMeta {
+        labels: Some(all),
+        annotations: (!t.annotations.is_empty()).then_some(t.annotations),
+        ..Default::default()
+    }
+}
+
+/// The `--drain-timeout-secs` value in `engine.args`, if the user passes it there.
+fn drain_in_args(dsd: &DSparkDeployment) -> Option<u32> {
+    let args = &dsd.spec.engine.args;
+    args.iter().enumerate().find_map(|(i, a)| {
+        if let Some(v) = a.strip_prefix("--drain-timeout-secs=") {
+            return v.parse().ok();
+        }
+        (a == "--drain-timeout-secs")
+            .then(|| args.get(i + 1)?.parse().ok())
+            .flatten()
+    })
+}
+
+/// The engine's drain deadline: `--drain-timeout-secs` in `engine.args`, else
+/// `engine.drainTimeoutSeconds` (default 30).
+pub fn drain_seconds(dsd: &DSparkDeployment) -> u32 {
+    drain_in_args(dsd).unwrap_or_else(|| dsd.spec.drain_seconds())
 }
 
 /// Non-root, read-only root filesystem, no privilege escalation, no capabilities.
@@ -265,6 +339,12 @@ pub fn serve_args(
         "--admin-token-file".into(),
         format!("{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"),
     ]);
+    if drain_in_args(dsd).is_none() {
+        a.extend([
+            "--drain-timeout-secs".into(),
+            dsd.spec.drain_seconds().to_string(),
+        ]);
+    }
     if has_table {
         a.extend([
             "--cost-table".into(),
@@ -415,21 +495,26 @@ pub fn engine_deployment(
             },
             strategy: Some(DeploymentStrategy {
                 type_: Some("RollingUpdate".into()),
-                rolling_update: Some(RollingUpdateDeployment {
-                    max_surge: Some(IntOrString::Int(1)),
-                    max_unavailable: Some(IntOrString::Int(0)),
-                }),
+                rolling_update: Some(rolling_update(pool)),
             }),
             template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels),
-                    ..Default::default()
-                }),
-                spec: Some(pod_spec_base(pool, vec![container], volumes)),
+                metadata: Some(pod_template_meta(dsd, labels)),
+                spec: Some(pod_spec_base(dsd, pool, vec![container], volumes)),
             },
             ..Default::default()
         },
         ..Default::default()
+    }
+}
+
+/// The pool's rollout: `pools[].rollout`, by default maxSurge 0 and maxUnavailable 1 (a pool
+/// whose nodes' accelerators are all taken cannot place a surge pod, so a surge-first rollout
+/// would never progress).
+pub fn rolling_update(pool: &NodePool) -> RollingUpdateDeployment {
+    let r = pool.rollout.clone().unwrap_or_default();
+    RollingUpdateDeployment {
+        max_surge: Some(r.max_surge.unwrap_or(IntOrString::Int(0))),
+        max_unavailable: Some(r.max_unavailable.unwrap_or(IntOrString::Int(1))),
     }
 }
 
@@ -579,7 +664,35 @@ pub(crate) mod tests {
             "serve --model /models/model/qwen3-8b --drafter /models/drafter/qwen3-8b-dspark-b7 \
              --speculation dspark-rnn --policy threshold --host 0.0.0.0 --port 8000 \
              --admin-port 8001 --admin-token-file /etc/dspark/admin/token \
+             --drain-timeout-secs 60 \
              --cost-table /etc/dspark/cost-table/cost-table.json --max-batch-tokens 8192"
+        );
+        // The sample's drain deadline (60 s) plus the margin; its pod template and rollout.
+        assert_eq!(pod.termination_grace_period_seconds, Some(75));
+        assert_eq!(
+            pod.image_pull_secrets.as_ref().unwrap()[0].name,
+            "registry-credentials"
+        );
+        let tpl = spec.template.metadata.as_ref().unwrap();
+        assert_eq!(
+            tpl.annotations.as_ref().unwrap()["example.com/team"],
+            "ml-serving"
+        );
+        let ru = spec
+            .strategy
+            .as_ref()
+            .unwrap()
+            .rolling_update
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (ru.max_surge.clone(), ru.max_unavailable.clone()),
+            (Some(IntOrString::Int(0)), Some(IntOrString::Int(1))),
+            "the a100 pool takes the defaults"
+        );
+        assert_eq!(
+            rolling_update(&d.spec.pools[0]).max_surge,
+            Some(IntOrString::Int(1))
         );
         assert_eq!(
             c.command.as_deref(),
@@ -690,7 +803,7 @@ pub(crate) mod tests {
         assert_eq!(
             c.args.as_ref().unwrap().join(" "),
             "serve --model /models/model/smollm2.gguf --host 0.0.0.0 --port 8000 --admin-port 8001 \
-             --admin-token-file /etc/dspark/admin/token"
+             --admin-token-file /etc/dspark/admin/token --drain-timeout-secs 60"
         );
         let model = pod
             .volumes
@@ -704,6 +817,38 @@ pub(crate) mod tests {
         cpu.gpu.count = 0;
         let r = resources(&d, &cpu);
         assert!(r.limits.is_none() && r.requests.is_none());
+    }
+
+    /// The drain flag is not passed twice; the grace period follows the flag the user passes,
+    /// or the template's own value; template labels never replace the operator's.
+    #[test]
+    fn drain_flag_grace_period_and_template_labels() {
+        let mut d = sample();
+        d.spec.engine.args = vec!["--drain-timeout-secs=120".into()];
+        let pool = &d.spec.pools[0];
+        let dep = engine_deployment(&d, pool, 1, false);
+        let pod = dep.spec.template.spec.as_ref().unwrap();
+        let args = pod.containers[0].args.clone().unwrap();
+        assert_eq!(
+            args.iter()
+                .filter(|a| a.starts_with("--drain-timeout-secs"))
+                .count(),
+            1,
+            "{args:?}"
+        );
+        assert_eq!(pod.termination_grace_period_seconds, Some(135));
+        let t = d.spec.pod_template.get_or_insert_with(Default::default);
+        t.spec
+            .get_or_insert_with(Default::default)
+            .termination_grace_period_seconds = Some(7);
+        t.metadata
+            .get_or_insert_with(Default::default)
+            .labels
+            .insert(LABEL_POOL.into(), "other".into());
+        let dep = engine_deployment(&d, &d.spec.pools[0], 1, false);
+        let tpl = dep.spec.template;
+        assert_eq!(tpl.spec.unwrap().termination_grace_period_seconds, Some(7));
+        assert_eq!(tpl.metadata.unwrap().labels.unwrap()[LABEL_POOL], "h100");
     }
 
     #[test]

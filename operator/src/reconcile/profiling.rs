@@ -17,8 +17,8 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
 
 use super::pool::{
-    container_security, mount_model, pod_spec_base, resources, LABEL_COMPONENT, LABEL_MANAGED_BY,
-    MANAGER,
+    container_security, mount_model, pod_spec_base, pod_template_meta, resources, LABEL_COMPONENT,
+    LABEL_MANAGED_BY, MANAGER,
 };
 use crate::crd::{
     CostTableKey, CostTablePhase, DSparkCostTable, DSparkCostTableStatus, DSparkDeployment,
@@ -91,7 +91,7 @@ pub fn profiling_job(
         (LABEL_COMPONENT.to_string(), "profiler".to_string()),
         (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
     ]);
-    let mut pod = pod_spec_base(pool, vec![container], volumes);
+    let mut pod = pod_spec_base(dsd, pool, vec![container], volumes);
     pod.restart_policy = Some("Never".into());
     Job {
         metadata: ObjectMeta {
@@ -106,10 +106,7 @@ pub fn profiling_job(
             active_deadline_seconds: Some(dsd.spec.profiling.timeout_seconds),
             ttl_seconds_after_finished: Some(86_400),
             template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(labels),
-                    ..Default::default()
-                }),
+                metadata: Some(pod_template_meta(dsd, labels)),
                 spec: Some(pod),
             },
             ..Default::default()

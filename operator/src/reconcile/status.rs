@@ -10,7 +10,7 @@ use crate::autoscale::metrics::{Freshness, PoolObservation};
 use crate::autoscale::policy::round_sig;
 use crate::crd::{
     AutoscalingMode, CostTablePhase, DSparkDeployment, DSparkDeploymentStatus, PoolStatus,
-    ScalingDecisionStatus,
+    ScalingDecisionStatus, ScalingMode,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
@@ -59,6 +59,27 @@ pub struct StatusInput<'a> {
 
 fn ms(x: Option<f64>) -> Option<f64> {
     x.map(|v| round_sig(v * 1e3, 3))
+}
+
+/// The condition types the operator writes; `status.conditions` is a map by type, so other
+/// controllers may add their own next to them.
+pub const OWN_CONDITIONS: [&str; 7] = [
+    "Ready",
+    "Available",
+    "Progressing",
+    "Profiled",
+    "Scaling",
+    "MetricsAvailable",
+    "Stalled",
+];
+
+/// `status` with only the operator's own conditions: what it compares and writes (with
+/// server-side apply it then owns only those, and leaves the others to their writers).
+pub fn own(status: &DSparkDeploymentStatus) -> DSparkDeploymentStatus {
+    let mut s = status.clone();
+    s.conditions
+        .retain(|c| OWN_CONDITIONS.contains(&c.type_.as_str()));
+    s
 }
 
 /// The status to write.
@@ -353,12 +374,12 @@ fn scaling_condition(i: &StatusInput<'_>) -> Condition {
         let reason = if up { "ScalingUp" } else { "ScalingDown" };
         return condition("Scaling", Some(true), reason, moving.join("; "));
     }
-    if i.dsd.spec.replicas.is_some() {
+    if i.dsd.spec.scaling_mode() == ScalingMode::External {
         return condition(
             "Scaling",
             Some(false),
             "ExternalReplicas",
-            "spec.replicas sets the total (scale subresource)".into(),
+            "scaling mode External: spec.replicas sets the total (scale subresource)".into(),
         );
     }
     if !a.enabled {
