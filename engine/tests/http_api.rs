@@ -505,6 +505,20 @@ fn n_choices_and_several_prompts() {
         texts[0] != texts[1] || texts[1] != texts[2],
         "three samples of one prompt are identical: {texts:?}"
     );
+    // Choice k of a seeded request is the single request with seed + k.
+    for (k, want) in texts.iter().take(3).enumerate() {
+        let (_, one) = post(
+            &s.base,
+            "/v1/completions",
+            json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 12,
+                   "temperature": 1.0, "seed": 7 + k}),
+        );
+        assert_eq!(
+            one["choices"][0]["text"].as_str().unwrap(),
+            *want,
+            "choice {k}"
+        );
+    }
     let (_, b) = post(&s.base, "/v1/completions", body.clone());
     let again: Vec<&str> = b["choices"]
         .as_array()
@@ -852,4 +866,38 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
         assert_eq!(code, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], param, "{extra}: {e}");
     }
+}
+
+/// A request cancelled mid-stream leaves the prefix cache consistent: the same request
+/// afterwards (starting on whatever the cancelled one registered) answers exactly as an
+/// engine that never saw the cancelled one.
+#[test]
+fn a_cancelled_request_leaves_the_cache_consistent() {
+    use std::io::Read;
+    let body = chat(
+        "Write a long story about a lighthouse keeper and a storm.",
+        json!({"max_tokens": 48, "temperature": 0, "ignore_eos": true}),
+    );
+    let fresh = spawn(EngineConfig::default(), 64);
+    let (_, want) = post(&fresh.base, "/v1/chat/completions", body.clone());
+    let s = spawn(EngineConfig::default(), 64);
+    let mut streaming = body.clone();
+    streaming["stream"] = json!(true);
+    let mut r = client()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&streaming)
+        .send()
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let _ = r.read(&mut buf).unwrap();
+    drop(r);
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, got) = post(&s.base, "/v1/chat/completions", body);
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
+    let m = metrics_text(&s);
+    assert_eq!(
+        metric(&m, "dspark_kv_cache_usage_ratio"),
+        0.0,
+        "blocks leaked"
+    );
 }

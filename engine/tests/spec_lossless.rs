@@ -141,12 +141,22 @@ fn start(
     drafter: Option<std::path::PathBuf>,
     table: Option<&dyn Fn(&str) -> String>,
 ) -> std::sync::Arc<dspark_engine::server::AppState> {
+    start_with(cfg, drafter, table, 256)
+}
+
+/// [`start`] with a KV cache of `kv_mb` MiB.
+fn start_with(
+    cfg: EngineConfig,
+    drafter: Option<std::path::PathBuf>,
+    table: Option<&dyn Fn(&str) -> String>,
+    kv_mb: usize,
+) -> std::sync::Arc<dspark_engine::server::AppState> {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
         device: "cpu".into(),
         served_model_name: None,
-        kv_cache_mb: 256,
+        kv_cache_mb: kv_mb,
         kv_block_size: 16,
         kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(1024),
@@ -632,4 +642,36 @@ fn prefix_cache_hits_are_lossless_with_the_drafter_context_shared() {
         "{hits} hit tokens vs {cached} reported"
     );
     assert!(common::metric(&m, "dspark_prefix_cache_blocks") > 0.0);
+}
+
+/// Eviction under a tiny KV budget never corrupts a running sequence: with room for about
+/// twenty blocks, many requests at once preempt each other and the prefix cache evicts its
+/// blocks, and every output is still plain decoding's (big cache, no prefix cache).
+#[test]
+fn eviction_under_a_tiny_kv_budget_keeps_every_output() {
+    let prompts = first_prompts(12);
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    };
+    let reference = {
+        let cfg = EngineConfig {
+            prefix_cache: false,
+            ..Default::default()
+        };
+        submit_all(&start(cfg, None, None), &prompts, 24, &greedy)
+    };
+    let st = start_with(EngineConfig::default(), None, None, 8);
+    // Twice: the second round hits (and evicts) the first round's cached blocks.
+    for round in 0..2 {
+        let out = submit_all(&st, &prompts, 24, &greedy);
+        for (i, (a, b)) in reference.iter().zip(&out).enumerate() {
+            assert_eq!(a.0, b.0, "round {round}: prompt {i} differs under eviction");
+        }
+    }
+    let m = st.metrics.render();
+    let evictions = common::metric(&m, "dspark_prefix_cache_evictions_total");
+    let preemptions = common::metric(&m, "dspark_num_preemptions_total");
+    println!("{evictions} evictions, {preemptions} preemptions");
+    assert!(evictions > 0.0, "the tiny cache never evicted");
 }

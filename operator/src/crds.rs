@@ -6,10 +6,31 @@ use kube::CustomResourceExt;
 use crate::crd::{DSparkCostTable, DSparkDeployment};
 use crate::{Error, Result};
 
-/// `(file name, YAML)` of every CRD, in a fixed order.
+/// `(file name, YAML)` of every CRD, in a fixed order, object keys sorted: the same bytes
+/// whether or not another crate in the build turns on serde_json's `preserve_order`
+/// (llguidance does, in the workspace build).
 pub fn render() -> Result<Vec<(&'static str, String)>> {
-    let yaml = |crd| {
-        serde_yaml::to_string(&crd).map_err(|e| Error::Serialize {
+    fn sorted(v: serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(m) => {
+                let mut entries: Vec<_> = m.into_iter().collect();
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+                serde_json::Value::Object(
+                    entries.into_iter().map(|(k, v)| (k, sorted(v))).collect(),
+                )
+            }
+            serde_json::Value::Array(a) => {
+                serde_json::Value::Array(a.into_iter().map(sorted).collect())
+            }
+            other => other,
+        }
+    }
+    let yaml = |crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition| {
+        let value = serde_json::to_value(&crd).map_err(|e| Error::Serialize {
+            what: "CRD",
+            source: e,
+        })?;
+        serde_yaml::to_string(&sorted(value)).map_err(|e| Error::Serialize {
             what: "CRD",
             source: serde_json::Error::io(std::io::Error::other(e)),
         })
