@@ -175,6 +175,19 @@ def slo_board():
         (f"sum by (model_name, pool) (rate(dspark_engine_steps_total{{{ENGINE}}}[{RI}]))", "steps {{model_name}} {{pool}}"),
         (f"sum by (model_name, pool) (rate(dspark_num_preemptions_total{{{ENGINE}}}[{RI}]))", "preemptions {{model_name}} {{pool}}")],
         w=8)
+    b.row("Prefix cache")
+    b.panel("Prompt tokens served from the prefix cache", [
+        (f"sum by (model_name, pool) (rate(dspark_prefix_cache_hits_total{{{ENGINE}}}[{RI}]))"
+         f" / sum by (model_name, pool) (rate(dspark_prefix_cache_queries_total{{{ENGINE}}}[{RI}]))",
+         "hit rate {{model_name}} {{pool}}")], unit="percentunit", w=8,
+        description="dspark_prefix_cache_hits_total / dspark_prefix_cache_queries_total (prompt tokens), rate.")
+    b.panel("Cached prefix blocks", [
+        (f"max by (instance, model_name) (dspark_prefix_cache_blocks{{{ENGINE}}})", "{{instance}}")], w=8,
+        description="KV blocks registered in the prefix cache (in use or kept for reuse).")
+    b.panel("Prefix cache evictions / s", [
+        (f"sum by (model_name, pool) (rate(dspark_prefix_cache_evictions_total{{{ENGINE}}}[{RI}]))",
+         "evictions {{model_name}} {{pool}}")], w=8,
+        description="Cached blocks evicted to make room: a cache too small for the traffic's shared prefixes.")
     return b
 
 

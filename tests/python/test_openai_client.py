@@ -108,3 +108,35 @@ def test_n_choices_penalties_and_logit_bias(client):
             if c.finish_reason:
                 ends[c.index] = ends.get(c.index, 0) + 1
     assert ends == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_structured_outputs_with_parse(client):
+    """`beta.chat.completions.parse` with a Pydantic model: the server constrains the output
+    to the model's JSON schema, so the client parses it into the model."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    r = client.beta.chat.completions.parse(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give the name and country of the capital of France."}],
+        response_format=City,
+        max_tokens=60,
+        temperature=0,
+    )
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City), r.choices[0].message.content
+    assert city.name and city.country
+    # json_object through the plain client, streamed.
+    parts = []
+    for chunk in client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Give a short JSON object with the name and country of Paris."}],
+            response_format={"type": "json_object"}, max_tokens=200, temperature=0, stream=True):
+        for c in chunk.choices:
+            if c.delta.content:
+                parts.append(c.delta.content)
+    import json
+    assert isinstance(json.loads("".join(parts)), dict)
