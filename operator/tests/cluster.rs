@@ -234,6 +234,25 @@ fn table_json(node_type: &str) -> String {
 }
 
 /// Plays the kubelet for a profiling pod: marks its container terminated with `message`.
+/// Waits for the deployment's first profiling Job and completes it with a cost table for
+/// `node_type`, so that the pods carry --cost-table and the operator has a table to push.
+async fn profile_first(client: &Client, ns: &str, node_type: &str) {
+    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), ns);
+    let job = wait_for("a profiling Job", || {
+        let cts = cts.clone();
+        async move {
+            cts.list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find_map(|c| c.status?.job)
+        }
+    })
+    .await;
+    finish_profiling_pod(client, ns, &job, &table_json(node_type)).await;
+}
+
 async fn finish_profiling_pod(client: &Client, ns: &str, job: &str, message: &str) {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let pod = wait_for(&format!("pod of Job {job}"), || {
@@ -714,20 +733,7 @@ async fn ready_pods_get_the_table_pushed_and_a_breach_scales_the_pool_up() {
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
     // Profile first, so that the pods carry --cost-table and the operator has a table to push.
-    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
-    let job = wait_for("a profiling Job", || {
-        let cts = cts.clone();
-        async move {
-            cts.list(&ListParams::default())
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find_map(|c| c.status?.job)
-        }
-    })
-    .await;
-    finish_profiling_pod(&client, &ns, &job, &table_json("a100-80gb")).await;
+    profile_first(&client, &ns, "a100-80gb").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let pod = engine_pod(&pods, "a100", |p| {
         p.spec.as_ref().is_some_and(|s| {
@@ -2675,20 +2681,7 @@ async fn the_admin_token_goes_only_to_pods_this_deployment_owns() {
     dsd.spec.autoscaling.period_seconds = 1;
     dsd.spec.autoscaling.mode = AutoscalingMode::Advisory;
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
-    let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
-    let job = wait_for("a profiling Job", || {
-        let cts = cts.clone();
-        async move {
-            cts.list(&ListParams::default())
-                .await
-                .ok()?
-                .items
-                .into_iter()
-                .find_map(|c| c.status?.job)
-        }
-    })
-    .await;
-    finish_profiling_pod(&client, &ns, &job, &table_json("a100-80gb")).await;
+    profile_first(&client, &ns, "a100-80gb").await;
 
     // A pod with the engine pods' labels that nothing of this deployment created.
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
