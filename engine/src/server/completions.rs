@@ -70,22 +70,9 @@ pub(super) async fn completions(
                     .tok
                     .encode(&text, st2.tok.add_bos)
                     .map_err(|e| ApiError::invalid("prompt", e.to_string())),
-                Prompt::Tokens(t) => t
-                    .into_iter()
-                    .map(|id| {
-                        u32::try_from(id)
-                            .ok()
-                            .filter(|&id| (id as usize) < vocab)
-                            .ok_or_else(|| {
-                                ApiError::invalid(
-                                    "prompt",
-                                    format!(
-                                        "prompt {i}: token id {id} is out of the vocabulary (size {vocab})"
-                                    ),
-                                )
-                            })
-                    })
-                    .collect(),
+                Prompt::Tokens(t) => {
+                    generate::token_ids(&t, vocab, "prompt", &format!("prompt {i}: "))
+                }
             })
             .collect()
     })

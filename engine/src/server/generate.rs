@@ -54,6 +54,24 @@ pub trait Render: Send + 'static {
     fn answer(self, choices: Vec<Finished>, usage: UsageOut) -> Self::Answer;
 }
 
+/// Token ids a client sent, checked against the vocabulary; errors name `param` and say
+/// `what` holds the bad id.
+pub fn token_ids(ids: &[i64], vocab: usize, param: &str, what: &str) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|&id| {
+            u32::try_from(id)
+                .ok()
+                .filter(|&i| (i as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        param,
+                        format!("{what}token id {id} is out of the vocabulary (size {vocab})"),
+                    )
+                })
+        })
+        .collect()
+}
+
 /// Checks that `ids` and its completion fit the model's context.
 pub fn check_length(
     st: &AppState,

@@ -64,21 +64,7 @@ pub(super) async fn detokenize(
         check_model(&st, m)?;
     }
     let vocab = st.tok.vocab_size;
-    let ids = req
-        .tokens
-        .iter()
-        .map(|&id| {
-            u32::try_from(id)
-                .ok()
-                .filter(|&i| (i as usize) < vocab)
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "tokens",
-                        format!("token id {id} is out of the vocabulary (size {vocab})"),
-                    )
-                })
-        })
-        .collect::<Result<Vec<u32>, _>>()?;
+    let ids = super::generate::token_ids(&req.tokens, vocab, "tokens", "")?;
     Ok(Json(DetokenizeResponse {
         prompt: st.tok.decode(&ids, false),
     }))
