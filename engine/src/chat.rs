@@ -10,6 +10,24 @@ use serde::Serialize;
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant's calls, as Hugging Face templates take them: `[{"id", "type":
+    /// "function", "function": {"name", "arguments": {...}}}]` (arguments an object).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn text(role: &str, content: impl Into<String>) -> Self {
+        Self {
+            role: role.to_string(),
+            content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+        }
+    }
 }
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -18,6 +36,8 @@ const GEMMA: &str = "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template renders `tools` and teaches the `<tool_call>` syntax itself.
+    native_tools: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -43,10 +63,12 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
+        let native_tools = source.contains("tools") && source.contains(crate::tools::OPEN);
         env.add_template_owned("chat", source)
             .context("the model's chat template does not parse")?;
         Ok(Self {
             env,
+            native_tools,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -55,9 +77,26 @@ impl ChatTemplate {
     /// Renders the conversation; the template's own errors (e.g. `raise_exception` for a
     /// bad role order) come back as a message a client can act on.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template renders tools in the `<tool_call>` syntax (Qwen, Hermes);
+    /// for others, [`crate::tools::inline_tools`] rewrites the conversation first.
+    pub fn native_tools(&self) -> bool {
+        self.native_tools
+    }
+
+    /// Renders with `tools` (OpenAI tool objects) passed to the template.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let tmpl = self.env.get_template("chat")?;
         tmpl.render(context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
@@ -72,14 +111,8 @@ mod tests {
 
     fn msgs() -> Vec<ChatMessage> {
         vec![
-            ChatMessage {
-                role: "system".into(),
-                content: "Be brief.".into(),
-            },
-            ChatMessage {
-                role: "user".into(),
-                content: " Hi ".into(),
-            },
+            ChatMessage::text("system", "Be brief."),
+            ChatMessage::text("user", " Hi "),
         ]
     }
 
@@ -105,14 +138,61 @@ mod tests {
             "",
         )
         .unwrap();
-        let bad = vec![ChatMessage {
-            role: "user".into(),
-            content: " x ".into(),
-        }];
+        let bad = vec![ChatMessage::text("user", " x ")];
         assert!(t
             .render(&bad, true)
             .unwrap_err()
             .to_string()
             .contains("no x"));
+    }
+
+    #[test]
+    fn a_template_with_tools_gets_them_and_the_calls() {
+        let qwen_like = r#"{%- if tools %}<|im_start|>system
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools> Answer with <tool_call></tool_call> blocks.<|im_end|>
+{% endif %}{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% for tc in m.tool_calls %}<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{% endfor %}"#;
+        let t = ChatTemplate::new(Some(qwen_like), Arch::Qwen3, "", "").unwrap();
+        assert!(t.native_tools());
+        assert!(!ChatTemplate::new(None, Arch::Llama, "", "")
+            .unwrap()
+            .native_tools());
+        let tools = [serde_json::json!({"type": "function", "function": {"name": "add"}})];
+        let mut asst = ChatMessage::text("assistant", "");
+        asst.tool_calls = Some(vec![serde_json::json!(
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}})]);
+        let s = t
+            .render_with_tools(
+                &[
+                    ChatMessage::text("user", "1+?"),
+                    asst,
+                    ChatMessage::text("tool", "2"),
+                ],
+                Some(&tools),
+                false,
+            )
+            .unwrap();
+        assert!(
+            s.contains(r#"{"function":{"name":"add"},"type":"function"}"#)
+                || s.contains(r#""name":"add""#),
+            "{s}"
+        );
+        assert!(
+            s.contains("<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\":1}}"),
+            "{s}"
+        );
+        assert!(s.contains("<tool_response>2</tool_response>"), "{s}");
+        // Without tools the template renders no tool section.
+        let s = t.render(&[ChatMessage::text("user", "hi")], true).unwrap();
+        assert!(!s.contains("<tools>"), "{s}");
     }
 }

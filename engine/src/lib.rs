@@ -2,7 +2,7 @@
 //!
 //! It owns everything that touches a model: loading real checkpoints (GGUF, Hugging Face
 //! folders) for Llama, Qwen3 and Gemma 3 ([`model`]) on the engine's own CPU matmul kernels
-//! and thread pool ([`kernels`]), tokenization and chat templates ([`tokenizer`], [`chat`]),
+//! and thread pool ([`kernels`]), tokenization, chat templates and tool calls ([`tokenizer`], [`chat`], [`tools`]),
 //! the paged KV cache with automatic prefix caching ([`kv`]), sampling with penalties and
 //! bias ([`sampling`]), the continuous-batching step loop ([`engine`]: request contract,
 //! pure batch planner, output, observability), speculative decoding ([`speculative`]: drafters, the drafting plan and the
@@ -50,6 +50,8 @@ pub mod speculative;
 pub(crate) mod testutil;
 #[forbid(unsafe_code)]
 pub mod tokenizer;
+#[forbid(unsafe_code)]
+pub mod tools;
 #[forbid(unsafe_code)]
 pub mod train;
 

@@ -901,3 +901,207 @@ fn a_cancelled_request_leaves_the_cache_consistent() {
         "blocks leaked"
     );
 }
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "add", "description": "Add two integers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"], "additionalProperties": false}}}
+    ])
+}
+
+/// (name, arguments) of an answer's tool calls, checking the wire shape.
+fn calls_of(r: &Value) -> Vec<(String, String)> {
+    let choice = &r["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+    choice["message"]["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool_calls: {r}"))
+        .iter()
+        .map(|c| {
+            assert!(c["id"].as_str().unwrap().starts_with("call_"), "{c}");
+            assert_eq!(c["type"], "function");
+            let f = &c["function"];
+            (
+                f["name"].as_str().unwrap().to_string(),
+                f["arguments"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The same calls assembled from a stream's `tool_calls` deltas, as clients do.
+fn streamed_calls(frames: &[String]) -> Vec<(String, String)> {
+    let mut calls: Vec<(String, String)> = Vec::new();
+    let mut reason = Value::Null;
+    for f in frames.iter().filter(|f| *f != "[DONE]") {
+        let v: Value = serde_json::from_str(f).unwrap();
+        let c = &v["choices"][0];
+        if !c["finish_reason"].is_null() {
+            reason = c["finish_reason"].clone();
+        }
+        for d in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = d["index"].as_u64().unwrap() as usize;
+            if i == calls.len() {
+                assert!(d["id"].as_str().unwrap().starts_with("call_"), "{d}");
+                calls.push((
+                    d["function"]["name"].as_str().unwrap().into(),
+                    String::new(),
+                ));
+            }
+            calls[i].1 += d["function"]["arguments"].as_str().unwrap();
+        }
+    }
+    assert_eq!(reason, "tool_calls");
+    calls
+}
+
+/// Tool calls: a named `tool_choice` and `required` force calls whose arguments follow the
+/// tool's schema, streamed as OpenAI streams them (the same calls), greedy-identical with
+/// the shipped DSpark drafter; `none` hides the tools; earlier calls and results in the
+/// history are accepted; bad tools and choices are 400s naming the field.
+#[test]
+fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
+    use dspark_engine::speculative::{Speculation, VerifyPolicy};
+    let plain = server();
+    let named = chat(
+        "What is the weather in Paris?",
+        json!({"max_tokens": 60, "temperature": 0, "tools": weather_tools(),
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "parallel_tool_calls": false}),
+    );
+    let required = chat(
+        "Add 2 and 3, and tell me the weather in Oslo.",
+        json!({"max_tokens": 120, "temperature": 0, "tools": weather_tools(),
+            "tool_choice": "required"}),
+    );
+    let (code, r) = post(&plain.base, "/v1/chat/completions", named.clone());
+    assert_eq!(code, 200, "{r}");
+    let calls = calls_of(&r);
+    assert_eq!(calls.len(), 1, "{r}");
+    assert_eq!(calls[0].0, "get_weather");
+    let args: Value = serde_json::from_str(&calls[0].1).unwrap();
+    assert!(args["city"].is_string(), "{args}");
+    assert!(["celsius", "fahrenheit"].contains(&args["unit"].as_str().unwrap()));
+    assert!(r["choices"][0]["message"]["content"].is_null(), "{r}");
+    let mut stream = named.clone();
+    stream["stream"] = json!(true);
+    assert_eq!(
+        streamed_calls(&sse(&plain.base, "/v1/chat/completions", stream)),
+        calls
+    );
+    let (code, r) = post(&plain.base, "/v1/chat/completions", required.clone());
+    assert_eq!(code, 200, "{r}");
+    let req_calls = calls_of(&r);
+    for (name, a) in &req_calls {
+        let a: Value = serde_json::from_str(a).unwrap();
+        match name.as_str() {
+            "add" => assert!(a["a"].is_i64() && a["b"].is_i64(), "{a}"),
+            "get_weather" => assert!(a["city"].is_string(), "{a}"),
+            other => panic!("unknown tool {other}"),
+        }
+    }
+    // The drafter speculates under the call grammar and changes nothing.
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    let spec = spawn_with(
+        EngineConfig {
+            speculation: Speculation::DSparkMarkov,
+            policy: VerifyPolicy::Fixed { gamma: 4 },
+            ..Default::default()
+        },
+        64,
+        Some(shipped),
+    );
+    let mut drafted = 0;
+    for (body, want) in [(&named, &calls), (&required, &req_calls)] {
+        let (code, r) = post(&spec.base, "/v1/chat/completions", body.clone());
+        assert_eq!(code, 200, "{r}");
+        assert_eq!(&calls_of(&r), want, "speculation changed the calls");
+        drafted += r["usage"]["draft_tokens"].as_u64().unwrap();
+    }
+    assert!(drafted > 0, "the drafter never drafted");
+    // `none`: the tools are not shown (the prompt is the one without tools).
+    let (_, bare) = post(
+        &plain.base,
+        "/v1/chat/completions",
+        chat("Hi", json!({"max_tokens": 4})),
+    );
+    let (code, r) = post(
+        &plain.base,
+        "/v1/chat/completions",
+        chat(
+            "Hi",
+            json!({"max_tokens": 4, "tools": weather_tools(), "tool_choice": "none"}),
+        ),
+    );
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], bare["usage"]["prompt_tokens"]);
+    assert!(r["choices"][0]["message"]["tool_calls"].is_null());
+    // A conversation with an earlier call and its result.
+    let history = json!({"model": "smollm2", "max_tokens": 20, "temperature": 0, "tools": weather_tools(),
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]});
+    let (code, r) = post(&plain.base, "/v1/chat/completions", history.clone());
+    assert_eq!(code, 200, "{r}");
+    let m = &r["choices"][0]["message"];
+    assert!(
+        m["content"].is_string() || m["tool_calls"].is_array(),
+        "{r}"
+    );
+    // Bad input.
+    let mut dup = weather_tools();
+    dup[1]["function"]["name"] = json!("get_weather");
+    let mut bad_schema = weather_tools();
+    bad_schema[1]["function"]["parameters"] = json!({"type": "nonsense"});
+    let mut no_id = history.clone();
+    no_id["messages"][2]
+        .as_object_mut()
+        .unwrap()
+        .remove("tool_call_id");
+    let mut bad_args = history.clone();
+    bad_args["messages"][1]["tool_calls"][0]["function"]["arguments"] = json!("{city: Paris");
+    for (body, param) in [
+        (chat("x", json!({"tools": dup})), "tools[1].function.name"),
+        (chat("x", json!({"tools": bad_schema})), "tools"),
+        (
+            chat("x", json!({"tools": [{"type": "retrieval"}]})),
+            "tools[0].type",
+        ),
+        (
+            chat(
+                "x",
+                json!({"tools": [{"type": "function", "function": {"name": "has space"}}]}),
+            ),
+            "tools[0].function.name",
+        ),
+        (
+            chat(
+                "x",
+                json!({"tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            ),
+            "tool_choice",
+        ),
+        (chat("x", json!({"tool_choice": "required"})), "tool_choice"),
+        (
+            chat(
+                "x",
+                json!({"tools": weather_tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}),
+            ),
+            "tool_choice",
+        ),
+        (no_id, "messages[2].tool_call_id"),
+        (bad_args, "messages[1].tool_calls[0].function.arguments"),
+    ] {
+        let (code, e) = post(&plain.base, "/v1/chat/completions", body.clone());
+        assert_eq!(code, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+    }
+}

@@ -1,12 +1,15 @@
-//! `POST /v1/chat/completions`: messages rendered by the model's chat template, then the
-//! shared generation path.
+//! `POST /v1/chat/completions`: messages (with earlier tool calls and results) rendered by
+//! the model's chat template with the request's tools, then the shared generation path;
+//! answers are split into content and tool calls (streamed as OpenAI streams them).
 
 use super::error::ApiError;
 use super::generate::{self, Finished, Render};
 use super::openai::*;
 use super::{check_model, gen_id, now_secs, request_span, AppState};
 use crate::chat::ChatMessage;
+use crate::constraint::GrammarSpec;
 use crate::engine::TokenLogprob;
+use crate::tools::{inline_tools, CallStream, Piece, Tool, ToolChoice, ToolSet};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -56,12 +59,51 @@ pub(super) async fn chat_completions(
             }
         };
         let role = if m.role == "developer" {
-            "system".into()
+            "system"
         } else {
-            m.role.clone()
+            m.role.as_str()
         };
-        messages.push(ChatMessage { role, content });
+        let mut msg = ChatMessage::text(role, content);
+        if m.role == "tool" {
+            let Some(id) = &m.tool_call_id else {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].tool_call_id"),
+                    "a tool message needs the tool_call_id of the call it answers",
+                ));
+            };
+            msg.tool_call_id = Some(id.clone());
+        }
+        if let Some(calls) = &m.tool_calls {
+            if m.role != "assistant" {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].tool_calls"),
+                    "only assistant messages carry tool_calls",
+                ));
+            }
+            msg.tool_calls = Some(history_calls(i, calls)?);
+        }
+        messages.push(msg);
     }
+    let tools = tool_set(&req)?;
+    let mut v = v;
+    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
+        match t.forced_grammar() {
+            Some(g) => {
+                if let Some((other, _)) = &v.grammar {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        format!("a required tool call cannot be combined with {other}"),
+                    ));
+                }
+                v.grammar = Some(("tools", GrammarSpec::Lark(g)));
+            }
+            // The model decides; compiling the call grammar still checks every schema.
+            None => {
+                generate::compile(&st, "tools", GrammarSpec::Lark(t.any_call_grammar())).await?;
+            }
+        }
+    }
+    let active = tools.filter(|t| t.active());
     let logprobs = if req.logprobs.unwrap_or(false) {
         let k = req.top_logprobs.unwrap_or(0);
         if !(0..=20).contains(&k) {
@@ -81,11 +123,17 @@ pub(super) async fn chat_completions(
         None
     };
     let st2 = st.clone();
+    let offered = active.as_ref().map(|t| t.tools.clone());
     let prompt = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
-        let text = st2
-            .template
-            .render(&messages, true)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let tmpl = &st2.template;
+        let text = if tmpl.native_tools() {
+            let json: Option<Vec<serde_json::Value>> =
+                offered.map(|t| t.iter().map(Tool::to_json).collect());
+            tmpl.render_with_tools(&messages, json.as_deref(), true)
+        } else {
+            tmpl.render(&inline_tools(messages, offered.as_deref()), true)
+        }
+        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         st2.tok
             .encode(&text, false)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))
@@ -98,6 +146,12 @@ pub(super) async fn chat_completions(
         created: now_secs(),
         model: st.model_id.clone(),
         logprobs: logprobs.is_some(),
+        started: vec![false; v.n],
+        calls: active
+            .as_ref()
+            .map(|t| (0..v.n).map(|_| CallStream::new(t.clone())).collect()),
+        tools: active,
+        pending: vec![Vec::new(); v.n],
     };
     let span = request_span(&st, "chat", &headers);
     generate::respond(&st, vec![prompt], v, logprobs, span, "chat", render).await
@@ -108,6 +162,14 @@ struct ChatRender {
     created: u64,
     model: String,
     logprobs: bool,
+    /// Whether choice `i` sent its first chunk (the one with the role).
+    started: Vec<bool>,
+    /// The tools the model was offered (choice not `none`): answers are parsed for calls.
+    tools: Option<ToolSet>,
+    /// Streaming: one splitter per choice.
+    calls: Option<Vec<CallStream>>,
+    /// Logprobs of text a splitter holds back, sent with the next chunk.
+    pending: Vec<Vec<TokenLogprob>>,
 }
 
 impl ChatRender {
@@ -121,6 +183,81 @@ impl ChatRender {
             usage,
         }
     }
+
+    /// One chunk of choice `index` with `delta`; the first carries the role, and any
+    /// logprobs waiting go with it.
+    fn choice_chunk(&mut self, index: usize, mut delta: ChatDelta) -> ChatChunk {
+        if !self.started[index] {
+            self.started[index] = true;
+            delta.role = Some("assistant");
+        }
+        let lps = std::mem::take(&mut self.pending[index]);
+        let choice = ChatChunkChoice {
+            index,
+            delta,
+            logprobs: (self.logprobs && !lps.is_empty()).then(|| chat_logprobs(&lps)),
+            finish_reason: None,
+        };
+        self.chunk(vec![choice], None)
+    }
+
+    fn pieces(&mut self, index: usize, pieces: Vec<Piece>) -> Vec<ChatChunk> {
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Text(t) => out.push(self.choice_chunk(
+                    index,
+                    ChatDelta {
+                        content: Some(t),
+                        ..Default::default()
+                    },
+                )),
+                Piece::Call(c) => {
+                    let n = self.calls.as_ref().map_or(1, |s| s[index].calls) - 1;
+                    let head = ToolCallDelta {
+                        index: n,
+                        id: Some(call_id()),
+                        kind: Some("function"),
+                        function: FunctionCallDelta {
+                            name: Some(c.name),
+                            arguments: String::new(),
+                        },
+                    };
+                    let args = ToolCallDelta {
+                        index: n,
+                        id: None,
+                        kind: None,
+                        function: FunctionCallDelta {
+                            name: None,
+                            arguments: c.arguments,
+                        },
+                    };
+                    for d in [head, args] {
+                        let delta = ChatDelta {
+                            tool_calls: Some(vec![d]),
+                            ..Default::default()
+                        };
+                        out.push(self.choice_chunk(index, delta));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A call id, unique like OpenAI's (`call_` and 24 characters).
+fn call_id() -> String {
+    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
+}
+
+/// A finish reason, `tool_calls` when an answer that ended normally made calls.
+fn reason_with_calls(reason: &'static str, calls: usize) -> &'static str {
+    if calls > 0 && reason == "stop" {
+        "tool_calls"
+    } else {
+        reason
+    }
 }
 
 impl Render for ChatRender {
@@ -132,28 +269,38 @@ impl Render for ChatRender {
         index: usize,
         text: String,
         logprobs: Option<Vec<TokenLogprob>>,
-        first: bool,
-    ) -> ChatChunk {
-        let choice = ChatChunkChoice {
-            index,
-            delta: ChatDelta {
-                role: first.then_some("assistant"),
-                content: Some(text),
-            },
-            logprobs: logprobs.map(|l| chat_logprobs(&l)),
-            finish_reason: None,
+    ) -> Vec<ChatChunk> {
+        self.pending[index].extend(logprobs.unwrap_or_default());
+        let pieces = match &mut self.calls {
+            Some(streams) => streams[index].push(&text),
+            None => vec![Piece::Text(text)],
         };
-        self.chunk(vec![choice], None)
+        self.pieces(index, pieces)
     }
 
-    fn finish(&mut self, index: usize, reason: &'static str) -> ChatChunk {
+    fn finish(&mut self, index: usize, reason: &'static str) -> Vec<ChatChunk> {
+        let (pieces, calls) = match &mut self.calls {
+            Some(streams) => (streams[index].finish(), streams[index].calls),
+            None => (Vec::new(), 0),
+        };
+        let mut out = self.pieces(index, pieces);
+        if !self.started[index] {
+            out.push(self.choice_chunk(
+                index,
+                ChatDelta {
+                    content: Some(String::new()),
+                    ..Default::default()
+                },
+            ));
+        }
         let choice = ChatChunkChoice {
             index,
             delta: ChatDelta::default(),
             logprobs: None,
-            finish_reason: Some(reason),
+            finish_reason: Some(reason_with_calls(reason, calls)),
         };
-        self.chunk(vec![choice], None)
+        out.push(self.chunk(vec![choice], None));
+        out
     }
 
     fn usage(&mut self, usage: UsageOut) -> ChatChunk {
@@ -161,17 +308,25 @@ impl Render for ChatRender {
     }
 
     fn answer(self, choices: Vec<Finished>, usage: UsageOut) -> ChatCompletion {
+        let tools = self.tools;
         ChatCompletion {
             choices: choices
                 .into_iter()
-                .map(|c| ChatChoice {
-                    index: c.index,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: c.text,
-                    },
-                    logprobs: self.logprobs.then(|| chat_logprobs(&c.logprobs)),
-                    finish_reason: c.reason,
+                .map(|c| {
+                    let (content, tool_calls, reason) = match &tools {
+                        None => (Some(c.text), None, c.reason),
+                        Some(t) => split_calls(t, &c.text, c.reason),
+                    };
+                    ChatChoice {
+                        index: c.index,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content,
+                            tool_calls,
+                        },
+                        logprobs: self.logprobs.then(|| chat_logprobs(&c.logprobs)),
+                        finish_reason: reason,
+                    }
                 })
                 .collect(),
             id: self.id,
@@ -181,6 +336,204 @@ impl Render for ChatRender {
             usage,
         }
     }
+}
+
+/// A whole answer as content and calls (the same splitter as streaming).
+fn split_calls(
+    tools: &ToolSet,
+    text: &str,
+    reason: &'static str,
+) -> (Option<String>, Option<Vec<ToolCallOut>>, &'static str) {
+    let mut s = CallStream::new(tools.clone());
+    let mut pieces = s.push(text);
+    pieces.extend(s.finish());
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Text(t) => content.push_str(&t),
+            Piece::Call(c) => calls.push(ToolCallOut {
+                id: call_id(),
+                kind: "function",
+                function: FunctionCallOut {
+                    name: c.name,
+                    arguments: c.arguments,
+                },
+            }),
+        }
+    }
+    if calls.is_empty() {
+        return (Some(content), None, reason);
+    }
+    let reason = reason_with_calls(reason, calls.len());
+    (
+        (!content.is_empty()).then_some(content),
+        Some(calls),
+        reason,
+    )
+}
+
+/// Most tools one request may offer (OpenAI's limit).
+const MAX_TOOLS: usize = 128;
+
+/// The request's tools and tool choice, checked; `None` without tools.
+fn tool_set(req: &ChatRequest) -> Result<Option<ToolSet>, ApiError> {
+    let Some(list) = &req.tools else {
+        if req.tool_choice.as_ref().is_some_and(|c| c != "none") {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice is only allowed when tools are given",
+            ));
+        }
+        return Ok(None);
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(
+            "tools",
+            format!("at most {MAX_TOOLS} tools are allowed, got {}", list.len()),
+        ));
+    }
+    let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        if t.get("type").and_then(|k| k.as_str()) != Some("function") {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}].type"),
+                "only tools of type 'function' are supported",
+            ));
+        }
+        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
+            ApiError::invalid(
+                &format!("tools[{i}].function"),
+                "a tool needs a function object",
+            )
+        })?;
+        let name = f.get("name").and_then(|n| n.as_str()).unwrap_or("");
+        let valid = (1..=64).contains(&name.len())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !valid {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}].function.name"),
+                format!("function names are 1-64 letters, digits, '_' or '-', got '{name}'"),
+            ));
+        }
+        if tools.iter().any(|o| o.name == name) {
+            return Err(ApiError::invalid(
+                &format!("tools[{i}].function.name"),
+                format!("duplicate tool name '{name}'"),
+            ));
+        }
+        let parameters = match f.get("parameters") {
+            None | Some(serde_json::Value::Null) => {
+                serde_json::json!({"type": "object", "properties": {}})
+            }
+            Some(p) if p.is_object() => p.clone(),
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    &format!("tools[{i}].function.parameters"),
+                    "parameters must be a JSON schema object",
+                ))
+            }
+        };
+        tools.push(Tool {
+            name: name.to_string(),
+            description: f
+                .get("description")
+                .and_then(|d| d.as_str())
+                .map(str::to_string),
+            parameters,
+        });
+    }
+    let choice = match &req.tool_choice {
+        None => ToolChoice::Auto,
+        Some(serde_json::Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!(
+                        "tool_choice must be none, auto, required or a function, got '{other}'"
+                    ),
+                ))
+            }
+        },
+        Some(c) => {
+            let name = c
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(|n| n.as_str())
+                .filter(|_| c.get("type").and_then(|t| t.as_str()) == Some("function"))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "a tool_choice object is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            if !tools.iter().any(|t| t.name == name) {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("tool_choice names '{name}', which is not among the tools"),
+                ));
+            }
+            ToolChoice::Named(name.to_string())
+        }
+    };
+    if tools.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "tool_choice 'required' needs at least one tool",
+        ));
+    }
+    Ok(Some(ToolSet {
+        tools,
+        choice,
+        parallel: req.parallel_tool_calls.unwrap_or(true),
+    }))
+}
+
+/// An assistant message's earlier calls, checked, in the form templates take (arguments
+/// parsed into an object).
+fn history_calls(
+    i: usize,
+    calls: &[serde_json::Value],
+) -> Result<Vec<serde_json::Value>, ApiError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let at = |f: &str| format!("messages[{i}].tool_calls[{j}]{f}");
+            let f = c.get("function").ok_or_else(|| {
+                ApiError::invalid(&at(".function"), "a tool call needs a function object")
+            })?;
+            let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
+                ApiError::invalid(&at(".function.name"), "a tool call needs a function name")
+            })?;
+            let arguments = match f.get("arguments") {
+                Some(serde_json::Value::String(s)) => serde_json::from_str::<serde_json::Value>(s)
+                    .map_err(|e| {
+                        ApiError::invalid(
+                            &at(".function.arguments"),
+                            format!("arguments must be JSON text: {e}"),
+                        )
+                    })?,
+                Some(v) if v.is_object() => v.clone(),
+                _ => {
+                    return Err(ApiError::invalid(
+                        &at(".function.arguments"),
+                        "a tool call needs its arguments as a JSON string",
+                    ))
+                }
+            };
+            Ok(serde_json::json!({
+                "id": c.get("id").cloned().unwrap_or_default(),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }))
+        })
+        .collect()
 }
 
 fn token_logprob(text: &str, logprob: f32, top: Option<Vec<ChatTokenLogprob>>) -> ChatTokenLogprob {

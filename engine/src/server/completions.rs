@@ -121,25 +121,24 @@ impl Render for CompletionRender {
         index: usize,
         text: String,
         logprobs: Option<Vec<TokenLogprob>>,
-        _first: bool,
-    ) -> Completion {
+    ) -> Vec<Completion> {
         let choice = CompletionChoice {
             index,
             text,
             logprobs: logprobs.map(|l| completion_logprobs(&l)),
             finish_reason: None,
         };
-        self.object(vec![choice], None)
+        vec![self.object(vec![choice], None)]
     }
 
-    fn finish(&mut self, index: usize, reason: &'static str) -> Completion {
+    fn finish(&mut self, index: usize, reason: &'static str) -> Vec<Completion> {
         let choice = CompletionChoice {
             index,
             text: String::new(),
             logprobs: None,
             finish_reason: Some(reason),
         };
-        self.object(vec![choice], None)
+        vec![self.object(vec![choice], None)]
     }
 
     fn usage(&mut self, usage: UsageOut) -> Completion {

@@ -38,16 +38,16 @@ pub struct Finished {
 pub trait Render: Send + 'static {
     type Chunk: Serialize;
     type Answer: Serialize;
-    /// New text (and logprobs, when asked for) of choice `index`; `first`: its first chunk.
+    /// New text (and logprobs, when asked for) of choice `index`: the chunks to send now
+    /// (none while a renderer holds text back, e.g. a tool call being written).
     fn delta(
         &mut self,
         index: usize,
         text: String,
         logprobs: Option<Vec<TokenLogprob>>,
-        first: bool,
-    ) -> Self::Chunk;
-    /// Choice `index` ended.
-    fn finish(&mut self, index: usize, reason: &'static str) -> Self::Chunk;
+    ) -> Vec<Self::Chunk>;
+    /// Choice `index` ended: what was held back, then its finish reason.
+    fn finish(&mut self, index: usize, reason: &'static str) -> Vec<Self::Chunk>;
     /// The closing usage chunk (`stream_options.include_usage`).
     fn usage(&mut self, usage: UsageOut) -> Self::Chunk;
     /// The whole answer.
@@ -186,10 +186,8 @@ pub async fn respond<R: Render>(
     Ok(Json(render.answer(choices, usage)).into_response())
 }
 
-/// Adds one choice's usage; `first_of_prompt`: its prompt's first choice (the prompt and
-/// its cached tokens count once).
 /// Compiles a structured-output grammar off the async runtime; errors name `param`.
-async fn compile(
+pub(super) async fn compile(
     st: &Arc<AppState>,
     param: &'static str,
     spec: crate::constraint::GrammarSpec,
@@ -206,6 +204,8 @@ async fn compile(
         .map_err(|e| ApiError::invalid(param, format!("invalid {param}: {e:#}")))
 }
 
+/// Adds one choice's usage; `first_of_prompt`: its prompt's first choice (the prompt and
+/// its cached tokens count once).
 fn add_usage(total: &mut UsageOut, u: &Usage, first_of_prompt: bool) {
     if first_of_prompt {
         total.prompt_tokens_details.cached_tokens += u.cached_tokens;
@@ -254,7 +254,6 @@ fn sse<R: Render>(
             .enumerate()
             .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))),
     );
-    let mut first = vec![true; choices];
     let mut open = choices;
     let mut usage = UsageOut {
         prompt_tokens,
@@ -267,20 +266,15 @@ fn sse<R: Render>(
             let _hold = &guard;
             let mut out = Vec::new();
             if done {
-                return out;
+                return None;
             }
             match ev {
                 Event::Delta { text, logprobs } => {
                     let lp = (!logprobs.is_empty()).then_some(logprobs);
-                    out.push(frame(&render.delta(i, text, lp, first[i])));
-                    first[i] = false;
+                    out.extend(render.delta(i, text, lp).iter().map(frame));
                 }
                 Event::Finished { reason, usage: u } => {
-                    if first[i] {
-                        out.push(frame(&render.delta(i, String::new(), None, true)));
-                        first[i] = false;
-                    }
-                    out.push(frame(&render.finish(i, reason.as_str())));
+                    out.extend(render.finish(i, reason.as_str()).iter().map(frame));
                     add_usage(&mut usage, &u, i % n == 0);
                     open -= 1;
                     if open == 0 {
@@ -297,8 +291,10 @@ fn sse<R: Render>(
                     done = true;
                 }
             }
-            out
+            // An event may give no frame (text a renderer holds back); `None` ends the
+            // stream after `[DONE]`.
+            Some(out)
         })
-        .take_while(|out| futures::future::ready(!out.is_empty()))
-        .flat_map(|out| futures::stream::iter(out.into_iter().map(Ok)))
+        .take_while(|out| futures::future::ready(out.is_some()))
+        .flat_map(|out| futures::stream::iter(out.unwrap_or_default().into_iter().map(Ok)))
 }

@@ -66,6 +66,11 @@ pub struct ContentPart {
 pub struct Message {
     pub role: String,
     pub content: Option<MessageContent>,
+    /// An assistant's earlier calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments": "<JSON text>"}}]` (checked by the chat endpoint, so errors name them).
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// The call a `tool` message answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -115,6 +120,11 @@ pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    /// `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "function": {"name"}}`.
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -359,7 +369,44 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
+}
+
+/// A streamed piece of a call: the first names it (`id`, `type`, `function.name`), the
+/// next carries its arguments; clients concatenate by `index`.
+#[derive(Debug, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// One streamed `chat.completion.chunk`.
@@ -388,6 +435,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Serialize)]

@@ -91,13 +91,7 @@ pub fn encode_prompt(tok: &TextTokenizer, model: &Model, p: &Prompt) -> Result<V
         &tok.bos_token,
         &tok.eos_token,
     )?;
-    let text = tmpl.render(
-        &[ChatMessage {
-            role: "user".into(),
-            content: p.prompt.clone(),
-        }],
-        true,
-    )?;
+    let text = tmpl.render(&[ChatMessage::text("user", p.prompt.clone())], true)?;
     tok.encode(&text, false)
 }
 
