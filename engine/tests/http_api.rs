@@ -1105,3 +1105,44 @@ fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
         assert_eq!(e["error"]["param"], param, "{body}: {e}");
     }
 }
+
+/// A prompt one token past a block boundary, repeated, starts on cached blocks right up to
+/// its last token, so it decodes at once: the context-input drafter (the shipped one) has
+/// no context feature of the position before the anchor yet and must wait a token instead
+/// of failing the engine step (it did: "needs each request's last context feature").
+#[test]
+fn a_prompt_cached_up_to_its_last_token_speculates_after_one_token() {
+    use dspark_engine::speculative::{Speculation, VerifyPolicy};
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    let s = spawn_with(
+        EngineConfig {
+            speculation: Speculation::DSparkMarkov,
+            policy: VerifyPolicy::Fixed { gamma: 4 },
+            ..Default::default()
+        },
+        64,
+        Some(shipped),
+    );
+    let (code, t) = post(
+        &s.base,
+        "/tokenize",
+        json!({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that large n stay fast.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"}),
+    );
+    assert_eq!(code, 200, "{t}");
+    let ids: Vec<u64> = t["tokens"].as_array().unwrap()[..33]
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let body = json!({"model": "smollm2", "prompt": ids, "max_tokens": 12, "temperature": 0});
+    let (code, a) = post(&s.base, "/v1/completions", body.clone());
+    assert_eq!(code, 200, "{a}");
+    let (code, b) = post(&s.base, "/v1/completions", body);
+    assert_eq!(code, 200, "{b}");
+    assert_eq!(
+        b["usage"]["prompt_tokens_details"]["cached_tokens"], 32,
+        "{b}"
+    );
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    assert!(b["usage"]["draft_tokens"].as_u64().unwrap() > 0, "{b}");
+}

@@ -409,6 +409,7 @@ impl Engine {
                 params: &s.req.params,
                 history: &s.history,
                 rng: &mut s.rng,
+                constraint: s.constraint.as_mut(),
             });
         }
         let drafted = self
@@ -537,8 +538,12 @@ impl Engine {
                 }
             };
             if let Some(c) = s.constraint.as_mut() {
-                // The final token (sampled or the verify's correction / bonus).
-                c.consume(*commit.last().expect("one token at least"))?;
+                // The final token (sampled or the verify's correction / bonus). A grammar the
+                // accepted drafts completed allows only the end token, which it cannot
+                // consume; the sequence finishes on it below.
+                if !c.is_stopped() {
+                    c.consume(*commit.last().expect("one token at least"))?;
+                }
             }
             // Keys/values are valid for the fed tokens up to the last accepted draft;
             // rejected positions are rolled back.

@@ -35,7 +35,10 @@ pub(super) async fn chat_completions(
         ) {
             return Err(ApiError::invalid(
                 &format!("messages[{i}].role"),
-                format!("unknown role '{}'; use system, developer, user, assistant or tool", m.role),
+                format!(
+                    "unknown role '{}'; use system, developer, user, assistant or tool",
+                    m.role
+                ),
             ));
         }
         let content = match &m.content {

@@ -1153,6 +1153,28 @@ impl DSparkDrafter {
         reqs: &mut [DraftRequest<'_>],
         opts: &ProposeOptions<'_>,
     ) -> Result<Vec<Proposal>> {
+        self.propose_under(kv, target, reqs, opts, &mut [])
+    }
+
+    /// [`DSparkDrafter::propose_with`] under grammars: `grammars[i]` (when given; the
+    /// slice is empty or one per request) masks request `i`'s proposals position by
+    /// position, walked along its draft and rolled back after, so no draft token is one
+    /// the grammar forbids (a block ends early where it allows no draft-vocabulary token).
+    pub fn propose_under(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        reqs: &mut [DraftRequest<'_>],
+        opts: &ProposeOptions<'_>,
+        grammars: &mut [Option<&mut crate::constraint::Constraint>],
+    ) -> Result<Vec<Proposal>> {
+        if !grammars.is_empty() && grammars.len() != reqs.len() {
+            bail!(
+                "{} grammars for {} draft requests",
+                grammars.len(),
+                reqs.len()
+            );
+        }
         self.count_call();
         self.check_cache(kv)?;
         for r in reqs.iter() {
@@ -1257,6 +1279,12 @@ impl DSparkDrafter {
                         None => edit_logits(&mut logits, r.params, &h, |t| Some(t as usize)),
                     }
                 }
+                if let Some(Some(g)) = grammars.get_mut(i) {
+                    if !self.mask_draft(g, &mut logits)? {
+                        open[i] = false;
+                        continue;
+                    }
+                }
                 let q = target_probs(&logits, r.params);
                 let x = q.sample(r.rng);
                 let z = match (&self.confidence, &conf_h) {
@@ -1269,6 +1297,9 @@ impl DSparkDrafter {
                 let mut conf = sigmoid(z / t_k + b_k);
                 if let Some(oc) = opts.calibration {
                     conf = oc.adjust_one(greedy, k, conf);
+                }
+                if let Some(Some(g)) = grammars.get_mut(i) {
+                    g.consume(tok)?;
                 }
                 let blk = &mut blocks[i];
                 blk.tokens.push(tok);
@@ -1285,7 +1316,38 @@ impl DSparkDrafter {
                 }
             }
         }
+        for (g, b) in grammars.iter_mut().zip(&blocks) {
+            if let Some(g) = g {
+                g.rollback(b.tokens.len())?;
+            }
+        }
         Ok(blocks)
+    }
+
+    /// Masks draft-vocabulary `logits` to what grammar `g` allows next; false when it
+    /// allows none of them (or only the end).
+    fn mask_draft(
+        &self,
+        g: &mut crate::constraint::Constraint,
+        logits: &mut [f32],
+    ) -> Result<bool> {
+        if g.is_stopped() {
+            return Ok(false);
+        }
+        let m = g.mask()?;
+        let mut any = false;
+        for (d, l) in logits.iter_mut().enumerate() {
+            let t = match &self.sub_vocab {
+                Some(v) => v.ids[d],
+                None => d as u32,
+            };
+            if m.is_allowed(t) {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(any)
     }
 
     /// Maps a draft-vocabulary token and distribution to target ids (identity without a

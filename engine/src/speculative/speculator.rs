@@ -74,6 +74,9 @@ pub struct Candidate<'a> {
     /// What the request's penalties read.
     pub history: &'a crate::sampling::History,
     pub rng: &'a mut ChaCha8Rng,
+    /// Its grammar, when the output is constrained: the model drafter proposes only
+    /// tokens it allows (the state is walked along the draft and rolled back).
+    pub constraint: Option<&'a mut crate::constraint::Constraint>,
 }
 
 /// The step's shape for the planner.
@@ -531,12 +534,18 @@ impl Speculator {
         self.metrics.draft_steps.inc();
         self.feed(&feed)?;
         let d = self.drafter.as_mut().expect("checked");
+        // A context-input drafter also needs the feature of the position before the anchor:
+        // a sequence that started on cached blocks right up to its anchor (prompt length one
+        // past a block boundary) has none until it decodes one token plainly.
+        let needs_ctx = d.model.config().context_input;
         let who: Vec<usize> = who
             .into_iter()
             .filter(|&i| {
-                self.seqs
-                    .get(&cands[i].id)
-                    .is_some_and(|s| s.pending.rows == 0 && s.draft_fed == cands[i].cached)
+                self.seqs.get(&cands[i].id).is_some_and(|s| {
+                    s.pending.rows == 0
+                        && s.draft_fed == cands[i].cached
+                        && (s.draft_ctx.is_some() || !needs_ctx)
+                })
             })
             .collect();
         if who.is_empty() {
@@ -544,6 +553,7 @@ impl Speculator {
         }
         let seqs = &self.seqs;
         let mut reqs: Vec<DraftRequest> = Vec::with_capacity(who.len());
+        let mut grammars = Vec::with_capacity(who.len());
         let mut picked: Vec<&mut Candidate> = cands
             .iter_mut()
             .enumerate()
@@ -562,13 +572,17 @@ impl Speculator {
                 rng: &mut *c.rng,
                 last_context: st.draft_ctx.as_ref(),
             });
+            grammars.push(c.constraint.as_deref_mut());
         }
         let opts = ProposeOptions {
             min_survival,
             calibration: self.recal.as_ref(),
         };
-        let blocks = d.model.propose_with(&mut d.kv, target, &mut reqs, &opts)?;
+        let blocks = d
+            .model
+            .propose_under(&mut d.kv, target, &mut reqs, &opts, &mut grammars)?;
         drop(reqs);
+        drop(grammars);
         let secs = t0.elapsed().as_secs_f64();
         let l_run = who.iter().map(|&i| gamma[i]).max().unwrap_or(0);
         self.clock.record(table, who.len(), l_run, secs);
