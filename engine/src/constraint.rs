@@ -109,6 +109,16 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
+    /// A constraint in the failed state llguidance leaves a matcher in after an internal
+    /// error (every call answers `msg`): what the engine must survive for one request
+    /// without failing the others.
+    pub fn failed(msg: &str) -> Self {
+        Self {
+            m: Matcher::new(Err(anyhow!("{msg}"))),
+            consumed: 0,
+        }
+    }
+
     /// An independent copy of this state (the `n` choices of one request).
     pub fn fork(&self) -> Self {
         Self {

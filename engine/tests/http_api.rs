@@ -14,6 +14,16 @@ fn spawn(engine: EngineConfig, kv_mb: usize) -> Server {
 }
 
 fn spawn_with(engine: EngineConfig, kv_mb: usize, drafter: Option<std::path::PathBuf>) -> Server {
+    common::serve(dspark_engine::server::router(start_state(
+        engine, kv_mb, drafter,
+    )))
+}
+
+fn start_state(
+    engine: EngineConfig,
+    kv_mb: usize,
+    drafter: Option<std::path::PathBuf>,
+) -> std::sync::Arc<dspark_engine::server::AppState> {
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
@@ -30,7 +40,7 @@ fn spawn_with(engine: EngineConfig, kv_mb: usize, drafter: Option<std::path::Pat
         startup_profile: false,
     })
     .expect("engine starts");
-    common::serve(dspark_engine::server::router(state))
+    state
 }
 
 fn server() -> &'static Server {
@@ -1145,4 +1155,59 @@ fn a_prompt_cached_up_to_its_last_token_speculates_after_one_token() {
     );
     assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
     assert!(b["usage"]["draft_tokens"].as_u64().unwrap() > 0, "{b}");
+}
+
+/// A request whose own state fails mid-step (its grammar in llguidance's error state) ends
+/// with an error; the requests batched with it finish exactly as they would alone, and
+/// the engine goes on serving.
+#[test]
+fn a_request_that_fails_fails_alone() {
+    use dspark_engine::constraint::Constraint;
+    use dspark_engine::engine::{Event, GenRequest};
+    let st = start_state(EngineConfig::default(), 64, None);
+    let prompt = st.tok.encode("The capital of France is", false).unwrap();
+    let submit = |constraint: Option<Constraint>| {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        st.engine
+            .submit(GenRequest {
+                prompt: prompt.clone(),
+                params: dspark_engine::sampling::SamplingParams {
+                    temperature: 0.0,
+                    ..Default::default()
+                },
+                max_tokens: 12,
+                stop: vec![],
+                logprobs: None,
+                ignore_eos: true,
+                events: tx,
+                arrived: std::time::Instant::now(),
+                span: tracing::Span::none(),
+                operation: "text_completion",
+                constraint,
+            })
+            .unwrap();
+        rx
+    };
+    let outcome = |mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>| -> Result<String, String> {
+        let mut text = String::new();
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                Event::Delta { text: t, .. } => text += &t,
+                Event::Finished { .. } => return Ok(text),
+                Event::Error(e) => return Err(e),
+            }
+        }
+        Err("dropped".into())
+    };
+    let alone = outcome(submit(None)).expect("a plain request finishes");
+    let (a, bad, b) = (
+        submit(None),
+        submit(Some(Constraint::failed("grammar exploded"))),
+        submit(None),
+    );
+    let err = outcome(bad).expect_err("the broken request fails");
+    assert!(err.contains("grammar exploded"), "{err}");
+    assert_eq!(outcome(a).as_deref(), Ok(alone.as_str()));
+    assert_eq!(outcome(b).as_deref(), Ok(alone.as_str()));
+    assert_eq!(outcome(submit(None)).as_deref(), Ok(alone.as_str()));
 }

@@ -268,7 +268,12 @@ impl Engine {
             .collect();
         let limits = self.limits();
         let demand = planner::demand(&loads, &limits);
-        let mut proposals = self.draft(&demand)?;
+        // The drafter failing costs this step its drafts, not the requests their answers
+        // (verification never depends on how a draft was made).
+        let mut proposals = self.draft(&demand).unwrap_or_else(|e| {
+            tracing::warn!("drafting failed, this step decodes without drafts: {e:#}");
+            vec![None; self.running.len()]
+        });
         let drafts: Vec<usize> = proposals
             .iter()
             .map(|p| p.as_ref().map_or(0, |p| p.tokens.len()))
@@ -301,9 +306,18 @@ impl Engine {
             .collect();
         let (batch, out) = self.forward(&plan)?;
         let finished = self.commit(&plan, &batch, &out)?;
-        for (i, reason) in finished {
+        for (i, end) in finished {
             let mut s = self.running.swap_remove(i);
-            self.finish(&mut s, reason);
+            match end {
+                Ending::Done(reason) => self.finish(&mut s, reason),
+                Ending::Failed(e) => {
+                    self.release(&mut s);
+                    let _ = s
+                        .req
+                        .events
+                        .send(Event::Error(format!("request failed: {e}")));
+                }
+            }
         }
         self.publish_counts();
         Ok(())
@@ -472,7 +486,7 @@ impl Engine {
         plan: &[Planned],
         batch: &[SeqBatch],
         out: &ForwardOut,
-    ) -> Result<Vec<(usize, FinishReason)>> {
+    ) -> Result<Vec<(usize, Ending)>> {
         let speculating = self.spec.kind() != Speculation::None;
         let mut row = 0;
         let mut hidden_row = 0;
@@ -496,55 +510,16 @@ impl Engine {
             }
             let rows = &out.logits[row..row + sb.num_logits];
             row += sb.num_logits;
-            let (commit, accepted) = match &pl.proposal {
-                None => {
-                    let mask = s.constraint.as_mut().map(|c| c.mask()).transpose()?;
-                    let tok =
-                        target_dist_masked(&rows[0], &s.req.params, &s.history, mask.as_ref())
-                            .sample(&mut s.rng);
-                    (vec![tok], 0)
-                }
-                Some(p) => {
-                    // Under a grammar the block is judged up to its first forbidden token,
-                    // which stays in (target probability 0: rejected for certain, the
-                    // residual sampled, as lossless rejection sampling needs); each
-                    // position is judged after the drafts before it.
-                    let (masks, allowed) = match s.constraint.as_mut() {
-                        Some(c) => {
-                            let (m, k) = c.walk(&p.tokens)?;
-                            (Some(m), k)
-                        }
-                        None => (None, p.tokens.len()),
-                    };
-                    let mut dists = block_dists_masked(
-                        &rows[..=allowed],
-                        &s.req.params,
-                        &s.history,
-                        &p.tokens[..allowed],
-                        masks.as_deref(),
-                    );
-                    let judged = if allowed < p.tokens.len() {
-                        // Never read: the forbidden token before it is rejected.
-                        dists.push(dists[allowed].clone());
-                        allowed + 1
-                    } else {
-                        allowed
-                    };
-                    let v = verify(&p.tokens[..judged], &p.q[..judged], &dists, &mut s.rng);
-                    if let Some(c) = s.constraint.as_mut() {
-                        c.rollback(allowed - v.accepted)?;
-                    }
-                    (v.tokens, v.accepted)
+            // A failure here (the request's grammar) is the request's own: it ends with an
+            // error and the others go on.
+            let (commit, accepted) = match judge(s, pl.proposal.as_ref(), rows) {
+                Ok(j) => j,
+                Err(e) => {
+                    tracing::warn!("request {} failed: {e:#}", s.id);
+                    finished.push((i, Ending::Failed(format!("{e:#}"))));
+                    continue;
                 }
             };
-            if let Some(c) = s.constraint.as_mut() {
-                // The final token (sampled or the verify's correction / bonus). A grammar the
-                // accepted drafts completed allows only the end token, which it cannot
-                // consume; the sequence finishes on it below.
-                if !c.is_stopped() {
-                    c.consume(*commit.last().expect("one token at least"))?;
-                }
-            }
             // Keys/values are valid for the fed tokens up to the last accepted draft;
             // rejected positions are rolled back.
             let drafted = pl.drafted();
@@ -589,18 +564,16 @@ impl Engine {
                 self.observe_token(i, gap);
                 let s = &mut self.running[i];
                 if let Some(reason) = output::emit_token(s, tok, &rows[j], &self.tok) {
-                    finished.push((i, reason));
+                    finished.push((i, Ending::Done(reason)));
                     break;
                 }
             }
-            let done = finished
-                .last()
-                .is_some_and(|f: &(usize, FinishReason)| f.0 == i);
+            let done = finished.last().is_some_and(|f: &(usize, Ending)| f.0 == i);
             let s = &mut self.running[i];
             if !done && s.constraint.as_ref().is_some_and(|c| c.is_stopped()) {
                 // The grammar is complete: nothing but the end may follow.
                 output::flush(s);
-                finished.push((i, FinishReason::Stop));
+                finished.push((i, Ending::Done(FinishReason::Stop)));
             }
             // The accepted drafts are in `tokens` now: register the committed blocks.
             self.register_blocks(i);
@@ -628,6 +601,66 @@ impl Engine {
             },
         });
     }
+}
+
+/// The tokens a sequence commits from its logits `rows` (and how many drafts it accepted):
+/// a sampled token, or the verdict on its draft block. Under a grammar the block is judged
+/// up to its first forbidden token, which stays in (target probability 0: rejected for
+/// certain, the residual sampled, as lossless rejection sampling needs); each position is
+/// judged after the drafts before it, and the grammar advances past what is committed.
+fn judge(s: &mut Seq, proposal: Option<&Proposal>, rows: &[Vec<f32>]) -> Result<(Vec<u32>, usize)> {
+    let (commit, accepted) = match proposal {
+        None => {
+            let mask = s.constraint.as_mut().map(|c| c.mask()).transpose()?;
+            let tok = target_dist_masked(&rows[0], &s.req.params, &s.history, mask.as_ref())
+                .sample(&mut s.rng);
+            (vec![tok], 0)
+        }
+        Some(p) => {
+            let (masks, allowed) = match s.constraint.as_mut() {
+                Some(c) => {
+                    let (m, k) = c.walk(&p.tokens)?;
+                    (Some(m), k)
+                }
+                None => (None, p.tokens.len()),
+            };
+            let mut dists = block_dists_masked(
+                &rows[..=allowed],
+                &s.req.params,
+                &s.history,
+                &p.tokens[..allowed],
+                masks.as_deref(),
+            );
+            let judged = if allowed < p.tokens.len() {
+                // Never read: the forbidden token before it is rejected.
+                dists.push(dists[allowed].clone());
+                allowed + 1
+            } else {
+                allowed
+            };
+            let v = verify(&p.tokens[..judged], &p.q[..judged], &dists, &mut s.rng);
+            if let Some(c) = s.constraint.as_mut() {
+                c.rollback(allowed - v.accepted)?;
+            }
+            (v.tokens, v.accepted)
+        }
+    };
+    if let Some(c) = s.constraint.as_mut() {
+        // The final token (sampled or the verify's correction / bonus). A grammar the
+        // accepted drafts completed allows only the end token, which it cannot
+        // consume; the sequence finishes on it below.
+        if !c.is_stopped() {
+            c.consume(*commit.last().expect("one token at least"))?;
+        }
+    }
+    Ok((commit, accepted))
+}
+
+/// How a sequence's step ended it.
+enum Ending {
+    Done(FinishReason),
+    /// Its own failure (e.g. its grammar); the batch goes on without it.
+    Failed(String),
 }
 
 /// A planned entry with its (cut) draft block.

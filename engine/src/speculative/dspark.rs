@@ -1175,6 +1175,26 @@ impl DSparkDrafter {
                 reqs.len()
             );
         }
+        // The grammars come back as they were, whatever happens.
+        let mut consumed = vec![0usize; grammars.len()];
+        let r = self.propose_inner(kv, target, reqs, opts, grammars, &mut consumed);
+        for (g, &n) in grammars.iter_mut().zip(&consumed) {
+            if let Some(g) = g {
+                g.rollback(n)?;
+            }
+        }
+        r
+    }
+
+    fn propose_inner(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        reqs: &mut [DraftRequest<'_>],
+        opts: &ProposeOptions<'_>,
+        grammars: &mut [Option<&mut crate::constraint::Constraint>],
+        consumed: &mut [usize],
+    ) -> Result<Vec<Proposal>> {
         self.count_call();
         self.check_cache(kv)?;
         for r in reqs.iter() {
@@ -1300,6 +1320,7 @@ impl DSparkDrafter {
                 }
                 if let Some(Some(g)) = grammars.get_mut(i) {
                     g.consume(tok)?;
+                    consumed[i] += 1;
                 }
                 let blk = &mut blocks[i];
                 blk.tokens.push(tok);
@@ -1314,11 +1335,6 @@ impl DSparkDrafter {
                 if surv[i] < opts.min_survival {
                     open[i] = false;
                 }
-            }
-        }
-        for (g, b) in grammars.iter_mut().zip(&blocks) {
-            if let Some(g) = g {
-                g.rollback(b.tokens.len())?;
             }
         }
         Ok(blocks)
