@@ -280,6 +280,24 @@ fn serve_greedy(
         startup_profile: false,
     })
     .unwrap();
+    // A flat cost table (verifying more tokens is free, drafting nearly so): the dspark
+    // policy then drafts even with these untrained drafters.
+    let mut draft = Vec::new();
+    for n in [1u32, 2, 4, 8] {
+        for l in 1..=16u32 {
+            draft.push((n, l, 1e-6));
+        }
+    }
+    let table = serde_json::json!({
+        "schema": 2, "model_id": state.target_model_id, "engine_version": dspark_engine::VERSION,
+        "device": "cpu", "dtype": "f32", "measured_at": "2026-12-01T00:00:00Z",
+        "points": (0..=10).map(|i| (1u32 << i, 100.0)).collect::<Vec<_>>(),
+        "draft_points": draft,
+    });
+    state
+        .costs
+        .install(&table.to_string(), dspark_types::CostTableSource::Admin)
+        .unwrap();
     let params = SamplingParams {
         temperature: 0.0,
         ..Default::default()
@@ -380,10 +398,103 @@ fn served_reference_and_converted_drafters_decode_like_plain() {
                     );
                 }
                 println!("{name} ({form}, {policy:?}): identical to plain, {drafted} draft tokens");
-                if matches!(policy, VerifyPolicy::Fixed { .. }) {
-                    assert!(drafted > 0, "{name} ({form}): the drafter was used");
+                if !matches!(policy, VerifyPolicy::Threshold { .. }) {
+                    assert!(
+                        drafted > 0,
+                        "{name} ({form}, {policy:?}): the drafter was used"
+                    );
                 }
             }
         }
     }
+}
+
+#[test]
+fn convert_cli_writes_the_compact_form_and_back() {
+    let Some(dir) = generated() else { return };
+    let m = manifest(dir);
+    let target = target(dir);
+    let convert = |from: &Path, out: &Path, to: &str| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-engine"))
+            .arg("convert")
+            .arg("--model")
+            .arg(dir.join("target"))
+            .arg("--drafter")
+            .arg(from)
+            .arg("--out")
+            .arg(out)
+            .args(["--to", to])
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(
+            o.status.success(),
+            "convert {} --to {to}: {text}",
+            from.display()
+        );
+        text
+    };
+    for (name, layout) in [
+        ("deepspec-rnn-b7", "deepspec"),
+        ("dflash-none-b16", "dflash"),
+    ] {
+        let src = dir.join(name);
+        let native = dir.join(format!("{name}.cli-native"));
+        let back = dir.join(format!("{name}.cli-back"));
+        let text = convert(&src, &native, "native");
+        assert!(
+            text.contains(&format!("({layout},")) && text.contains("(native,"),
+            "{text}"
+        );
+        convert(&native, &back, layout);
+        let reference =
+            candle_core::safetensors::load(src.join("reference.safetensors"), &Device::Cpu)
+                .unwrap();
+        let want: Vec<u32> = reference["tokens"]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (p, l) in [
+            (&native, Layout::Native),
+            (&back, DSparkDrafter::load_layout(&src, &target).unwrap().1),
+        ] {
+            let (d, got) = DSparkDrafter::load_layout(p, &target).unwrap();
+            assert_eq!(got, l, "{}", p.display());
+            assert_eq!(
+                engine_block(&d, &target, &m, &reference).tokens,
+                want,
+                "{}",
+                p.display()
+            );
+        }
+        // Same layout in and out is refused: there is nothing to do.
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-engine"))
+            .args(["convert", "--to", layout, "--model"])
+            .arg(dir.join("target"))
+            .arg("--drafter")
+            .arg(&src)
+            .arg("--out")
+            .arg(dir.join("unused"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to convert"));
+    }
+    // A DSpark drafter has no DFlash form: refused, naming why.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_dspark-engine"))
+        .args(["convert", "--to", "dflash", "--model"])
+        .arg(dir.join("target"))
+        .arg("--drafter")
+        .arg(dir.join("deepspec-vanilla-b7"))
+        .arg("--out")
+        .arg(dir.join("unused"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("dflash layout"),
+        "{err}"
+    );
 }
