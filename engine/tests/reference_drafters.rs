@@ -19,7 +19,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use dspark_engine::engine::{EngineConfig, Event, GenRequest};
-use dspark_engine::model::Model;
+use dspark_engine::kv::KvCache;
+use dspark_engine::model::{Model, SeqBatch};
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::dspark::{DSparkDrafter, Layout};
@@ -208,6 +209,66 @@ fn reference_layouts_load_and_compute_the_reference_numbers() {
             assert!(du < TOL, "{name} ({form}): |dU| {du}");
         }
     }
+}
+
+/// The engine's own target, run on the prompt, gives the hidden states the reference's
+/// transformers target gave (so serving feeds the drafter what the reference feeds it).
+#[test]
+fn engine_target_hidden_states_match_the_reference_target() {
+    let Some(dir) = generated() else { return };
+    let m = manifest(dir);
+    let target = target(dir);
+    let prompt: Vec<u32> = m["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let ids: Vec<usize> = m["layer_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as usize)
+        .collect();
+    let mut kv = KvCache::new(
+        target.cfg.num_layers,
+        target.cfg.kv_dim(),
+        1 << 20,
+        16,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let mut table = Vec::new();
+    assert!(kv.ensure(&mut table, prompt.len()));
+    let out = target
+        .forward(
+            &[SeqBatch {
+                tokens: prompt.clone(),
+                start_pos: 0,
+                block_table: table,
+                num_logits: 1,
+            }],
+            &mut kv,
+            &ids,
+        )
+        .unwrap();
+    let reference = candle_core::safetensors::load(
+        dir.join("deepspec-vanilla-b7/reference.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    for (i, h) in ids.iter().zip(&out.hidden) {
+        let d = max_diff(&h.to_vec2().unwrap(), &reference[&format!("hidden.{i}")]);
+        println!("target layer {i}: max |diff| {d:.2e}");
+        assert!(d < TOL, "target layer {i} output: max |diff| {d}");
+    }
+    let logits: Vec<Vec<f32>> = out.logits.to_vec2().unwrap();
+    let anchor = dspark_engine::model::argmax(&logits[0]);
+    assert_eq!(
+        anchor as u64,
+        m["anchor"].as_u64().unwrap(),
+        "the target's next token"
+    );
 }
 
 #[test]
