@@ -297,6 +297,10 @@ fn import_dflash(c: &Value) -> Result<Imported> {
 pub fn import_config(text: &str) -> Result<Imported> {
     let c: Value = serde_json::from_str(text).context("not JSON")?;
     match detect(&c) {
+        Layout::Native if c.get("architectures").is_some() => bail!(
+            "key 'architectures' is {}, expected ['Qwen3DSparkModel'] (DeepSpec DSpark), ['DFlashDraftModel'] (z-lab DFlash) or none (this engine's own drafter config)",
+            c["architectures"]
+        ),
         Layout::Native => Ok(Imported {
             layout: Layout::Native,
             cfg: serde_json::from_value(c).context("not a DSpark drafter config")?,
@@ -548,6 +552,11 @@ mod tests {
         assert!(e.contains("'mask_token_id' is missing"), "{e}");
         let e = err(&|c| c["target_layer_ids"] = json!([-1, 2]));
         assert!(e.contains("-1"), "{e}");
+        let e = err(&|c| c["architectures"] = json!(["LlamaForCausalLMEagle3"]));
+        assert!(
+            e.contains("'architectures'") && e.contains("DFlashDraftModel"),
+            "{e}"
+        );
         let e = err(&|c| c["architectures"] = json!(["Gemma4DSparkModel"]));
         assert!(e.contains("Qwen3DSparkModel"), "{e}");
         let e = err(&|c| c["attention_bias"] = json!(true));
