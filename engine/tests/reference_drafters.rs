@@ -67,6 +67,15 @@ fn generated() -> Option<&'static Path> {
             return None;
         };
         let env: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // Outputs of earlier runs whose process is gone are removed (~17 MB each).
+        for e in std::fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            if let Some(pid) = name.strip_prefix("dspark-reference-") {
+                if !Path::new("/proc").join(pid).exists() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         let out = std::env::temp_dir().join(format!("dspark-reference-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&out);
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -253,7 +262,7 @@ fn engine_target_hidden_states_match_the_reference_target() {
         )
         .unwrap();
     let reference = candle_core::safetensors::load(
-        dir.join("deepspec-vanilla-b7/reference.safetensors"),
+        dir.join("deepspec-vanilla-b16/reference.safetensors"),
         &Device::Cpu,
     )
     .unwrap();
@@ -275,7 +284,7 @@ fn engine_target_hidden_states_match_the_reference_target() {
 fn mismatched_checkpoints_are_refused_naming_the_key() {
     let Some(dir) = generated() else { return };
     let target = target(dir);
-    let src = dir.join("deepspec-vanilla-b7");
+    let src = dir.join("deepspec-vanilla-b7-bf16");
     let bad = dir.join("bad-layout");
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
@@ -308,7 +317,7 @@ fn mismatched_checkpoints_are_refused_naming_the_key() {
         "{e}"
     );
     // A DFlash folder with a tensor it does not have.
-    let src = dir.join("dflash-none-b7");
+    let src = dir.join("dflash-none-b7-bf16");
     std::fs::copy(src.join("config.json"), bad.join("config.json")).unwrap();
     let mut t =
         candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
@@ -559,7 +568,7 @@ fn convert_cli_writes_the_compact_form_and_back() {
         .args(["convert", "--to", "dflash", "--model"])
         .arg(dir.join("target"))
         .arg("--drafter")
-        .arg(dir.join("deepspec-vanilla-b7"))
+        .arg(dir.join("deepspec-vanilla-b7-bf16"))
         .arg("--out")
         .arg(dir.join("unused"))
         .output()

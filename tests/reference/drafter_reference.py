@@ -31,7 +31,9 @@ PROMPT_LEN = 11
 
 
 def randomize(module, gen):
-    """Weights large enough that logits, biases and confidences are far from uniform."""
+    """Weights large enough that logits, biases and confidences are far from uniform, and
+    bf16-exact, so that a checkpoint saved in bf16 (as the public ones are) holds exactly
+    the weights the f32 reference computed with."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() == 1 and name.endswith("bias"):
@@ -43,6 +45,7 @@ def randomize(module, gen):
             else:
                 b = math.sqrt(3.0 / p.shape[1])
                 p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * b)
+            p.copy_(p.to(torch.bfloat16).float())
 
 
 def qwen3_config(**extra):
@@ -188,20 +191,22 @@ def main():
     anchor = int(torch.argmax(out.logits[0, -1]))
     hs = out.hidden_states
 
+    # (layout, head, block size, confidence head reads W1, dtype saved)
     cases = [
-        ("deepspec", "vanilla", 7, True),
-        ("deepspec", "vanilla", 16, True),
-        ("deepspec", "vanilla", 7, False),
-        ("deepspec", "gated", 7, True),
-        ("deepspec", "rnn", 7, True),
-        ("deepspec", "rnn", 16, True),
-        ("deepspec", "none", 7, False),
-        ("dflash", "none", 7, False),
-        ("dflash", "none", 16, False),
+        ("deepspec", "vanilla", 7, True, "bf16"),
+        ("deepspec", "vanilla", 16, True, "f32"),
+        ("deepspec", "vanilla", 7, False, "f32"),
+        ("deepspec", "gated", 7, True, "f32"),
+        ("deepspec", "rnn", 7, True, "f32"),
+        ("deepspec", "rnn", 16, True, "bf16"),
+        ("deepspec", "none", 7, False, "f32"),
+        ("dflash", "none", 7, False, "bf16"),
+        ("dflash", "none", 16, False, "f32"),
     ]
     manifest = []
-    for layout, head, block, cwm in cases:
+    for layout, head, block, cwm, dtype in cases:
         name = f"{layout}-{head}-b{block}" + ("" if cwm or head == "none" else "-conf-h")
+        name += "-bf16" if dtype == "bf16" else ""
         d = os.path.join(a.out, name)
         if layout == "deepspec":
             model, base, bias, conf, tokens = deepspec_case(
@@ -209,6 +214,8 @@ def main():
             )
         else:
             model, base, bias, conf, tokens = dflash_case(target, hs, anchor, block, gen)
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
         model.save_pretrained(d, safe_serialization=True)
         if layout == "dflash" and block == 16:
             # The newer z-lab form: block_size inside dflash_config.
@@ -227,7 +234,7 @@ def main():
             ref[f"hidden.{i}"] = hs[i + 1][0].contiguous()
         save_file(ref, os.path.join(d, "reference.safetensors"))
         manifest.append(
-            {"name": name, "layout": layout, "head": head, "block_size": block}
+            {"name": name, "layout": layout, "head": head, "block_size": block, "dtype": dtype}
         )
     json.dump(
         {
