@@ -216,7 +216,9 @@ def main():
             model, base, bias, conf, tokens = dflash_case(target, hs, anchor, block, gen)
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
-        model.save_pretrained(d, safe_serialization=True)
+        # One case in small shards (model.safetensors.index.json), as large checkpoints come.
+        shard = "200KB" if head == "gated" else "5GB"
+        model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
         if layout == "dflash" and block == 16:
             # The newer z-lab form: block_size inside dflash_config.
             p = os.path.join(d, "config.json")
