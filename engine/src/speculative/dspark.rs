@@ -12,9 +12,11 @@
 //!   bidirectionally. The context part lives in the drafter's own paged [`KvCache`]
 //!   ([`DSparkDrafter::append_context`]);
 //! - parallel logits `U_k = lm_head(h_k)`, `h_k = RMSNorm(drafter output at block position k)`,
-//!   with the TARGET's embedding and LM head (frozen, never stored here);
+//!   with the TARGET's embedding and LM head (frozen, not stored; a DeepSpec checkpoint's
+//!   stored copies are used when it has them, [`DSparkConfig::own_embeddings`]);
 //! - sequential head, left to right from `x_0 = anchor`:
-//!   Markov `B_k = W2 W1[x_{k-1}]`; RNN `[g, c, o] = Linear([s_{k-1}; W1[x_{k-1}]; h_k])`,
+//!   Markov `B_k = W2 W1[x_{k-1}]`; gated Markov (DeepSpec)
+//!   `B_k = W2 (sigmoid(G [h_k; W1[x_{k-1}]] + g) * W1[x_{k-1}])`; RNN `[g, c, o] = Linear([s_{k-1}; W1[x_{k-1}]; h_k])`,
 //!   `s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)`, `B_k = W2 tanh(o)`, `s_0 = 0`;
 //!   parallel (DFlash baseline) `B_k = 0`; `q_k = softmax(U_k + B_k)` as processed by the
 //!   request's sampling parameters ([`target_probs`]), `x_k ~ q_k`;
@@ -26,7 +28,8 @@
 //! verification stays exact.
 //!
 //! Checkpoints are folders with `config.json` ([`DSparkConfig`]) and `model.safetensors`
-//! (tensor names of the reference implementations, stored in bf16/f16/f32, computed in f32).
+//! (tensor names of the reference implementations, stored in bf16/f16/f32, computed in f32);
+//! DeepSpec DSpark and z-lab DFlash folders load unchanged too ([`layout`]).
 
 mod head;
 pub mod layout;
@@ -729,21 +732,21 @@ impl DSparkDrafter {
 
     /// The drafter config of a folder, in whichever layout, with that layout.
     pub fn read_config(path: &Path) -> Result<(Layout, DSparkConfig)> {
-        let cfg_path = path.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&cfg_path)
-            .with_context(|| format!("cannot read drafter config {}", cfg_path.display()))?;
-        let imported = layout::import_config(&text)
-            .with_context(|| format!("{} is not a valid drafter config", cfg_path.display()))?;
+        let imported = Self::import_config(&path.join(CONFIG_FILE))?;
         Ok((imported.layout, imported.cfg))
+    }
+
+    fn import_config(cfg_path: &Path) -> Result<layout::Imported> {
+        let text = std::fs::read_to_string(cfg_path)
+            .with_context(|| format!("cannot read drafter config {}", cfg_path.display()))?;
+        layout::import_config(&text)
+            .with_context(|| format!("{} is not a valid drafter config", cfg_path.display()))
     }
 
     /// [`Self::load`], also returning the layout the folder was in.
     pub fn load_layout(path: &Path, target: &Model) -> Result<(Self, Layout)> {
         let cfg_path = path.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&cfg_path)
-            .with_context(|| format!("cannot read drafter config {}", cfg_path.display()))?;
-        let imported = layout::import_config(&text)
-            .with_context(|| format!("{} is not a valid drafter config", cfg_path.display()))?;
+        let imported = Self::import_config(&cfg_path)?;
         let (kind, mut cfg) = (imported.layout, imported.cfg);
         if let Some(n) = imported.num_target_layers {
             if n != target.cfg.num_layers {
