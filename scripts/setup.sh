@@ -16,6 +16,9 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 step "python test packages"
 "$PY" -m pip install -q -r tests/python/requirements.txt -r bench/requirements.txt
 
+step "reference drafter code (DeepSpec, z-lab DFlash) and its PyTorch venv"
+scripts/setup-reference.sh
+
 step "models"
 scripts/fetch-models.sh
 

@@ -30,7 +30,8 @@ enum Cmd {
     Calibrate(dspark_engine::train::cli::CalibrateArgs),
     /// Measure acceptance (tau, per position), calibration and speed of drafters.
     Eval(dspark_engine::train::cli::EvalArgs),
-    /// Rewrite a drafter checkpoint (e.g. --compact-w1).
+    /// Rewrite a drafter checkpoint: between layouts (native, DeepSpec DSpark, z-lab DFlash)
+    /// and/or with --compact-w1.
     Convert(dspark_engine::train::cli::ConvertArgs),
     /// Summarise an online policy experiment (serve --policy-experiment): per-arm
     /// throughput, per-user rate and load, and each arm's throughput ratio over the baseline

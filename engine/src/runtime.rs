@@ -172,16 +172,12 @@ fn startup_profile(
 /// Builds the model drafter that `speculation` needs, if any.
 /// The speculation kind of a drafter checkpoint folder, from its head type.
 pub fn drafter_kind(path: &Path) -> Result<crate::speculative::Speculation> {
-    use crate::speculative::dspark::{DSparkConfig, HeadKind};
+    use crate::speculative::dspark::{DSparkDrafter, HeadKind};
     use crate::speculative::Speculation;
-    let cfg_path = path.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .with_context(|| format!("cannot read {}", cfg_path.display()))?;
-    let cfg: DSparkConfig = serde_json::from_str(&text)
-        .with_context(|| format!("{}: not a drafter config", cfg_path.display()))?;
+    let (_, cfg) = DSparkDrafter::read_config(path)?;
     Ok(match cfg.markov_head_type {
         HeadKind::Parallel => Speculation::Parallel,
-        HeadKind::Markov => Speculation::DSparkMarkov,
+        HeadKind::Markov | HeadKind::Gated => Speculation::DSparkMarkov,
         HeadKind::Rnn => Speculation::DSparkRnn,
     })
 }
@@ -204,14 +200,34 @@ pub fn build_drafter(
     };
     let drafter = match path {
         Some(p) => {
-            let d = DSparkDrafter::load(p, model)?;
-            if d.config().markov_head_type != head {
+            let (d, layout) = DSparkDrafter::load_layout(p, model)?;
+            // The gated head is DeepSpec's variant of the Markov head.
+            let kind = match d.config().markov_head_type {
+                HeadKind::Gated => HeadKind::Markov,
+                k => k,
+            };
+            if kind != head {
                 anyhow::bail!(
                     "{}: drafter head is {:?} but --speculation {} needs {:?}",
                     p.display(),
                     d.config().markov_head_type,
                     speculation.name(),
                     head
+                );
+            }
+            let c = d.config();
+            tracing::info!(
+                drafter = %p.display(),
+                layout = layout.name(),
+                head = ?c.markov_head_type,
+                drafts_per_block = c.block_size,
+                target_layers = ?c.target_layer_ids,
+                "loaded drafter"
+            );
+            if c.sts_temperatures.is_none() && c.sts_temperatures_greedy.is_none() {
+                tracing::warn!(
+                    drafter = %p.display(),
+                    "the drafter has no STS temperatures: they default to 1, so the scheduler runs on uncalibrated confidences until online recalibration (--online-calibration) or `dspark-engine calibrate` has run"
                 );
             }
             d

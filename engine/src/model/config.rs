@@ -184,7 +184,20 @@ impl ModelConfig {
         let head_dim = c.head_dim.unwrap_or(c.hidden_size / num_heads);
         let gemma = arch == Arch::Gemma3;
         let sliding_window = if gemma { c.sliding_window } else { None };
-        let rope_theta = c.rope_theta.unwrap_or(10_000.0);
+        // transformers >= 5 writes `rope_parameters: {rope_type, rope_theta}` instead of a
+        // top-level `rope_theta`; only the default (unscaled) RoPE is implemented.
+        if let Some(rp) = &c.rope_parameters {
+            if let Some(kind) = rp.rope_type.as_deref().filter(|k| *k != "default") {
+                anyhow::bail!(
+                    "{}: rope_parameters.rope_type '{kind}' is not supported (expected 'default')",
+                    path.display()
+                );
+            }
+        }
+        let rope_theta = c
+            .rope_theta
+            .or(c.rope_parameters.as_ref().and_then(|r| r.rope_theta))
+            .unwrap_or(10_000.0);
         let sliding_layers = match (&c.layer_types, sliding_window) {
             (Some(t), Some(_)) => t.iter().map(|s| s == "sliding_attention").collect(),
             (None, Some(_)) => Self::gemma3_pattern(c.num_hidden_layers),
@@ -236,11 +249,19 @@ struct HfConfig {
     head_dim: Option<usize>,
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
+    rope_parameters: Option<RopeParameters>,
     rope_local_base_freq: Option<f64>,
     max_position_embeddings: Option<usize>,
     sliding_window: Option<usize>,
     layer_types: Option<Vec<String>>,
     query_pre_attn_scalar: Option<f64>,
+}
+
+/// `rope_parameters` of a transformers >= 5 config.json.
+#[derive(Debug, Deserialize)]
+pub(crate) struct RopeParameters {
+    pub rope_type: Option<String>,
+    pub rope_theta: Option<f64>,
 }
 
 pub(crate) fn md_str(ct: &gguf_file::Content, key: &str) -> Result<String> {

@@ -12,9 +12,11 @@
 //!   bidirectionally. The context part lives in the drafter's own paged [`KvCache`]
 //!   ([`DSparkDrafter::append_context`]);
 //! - parallel logits `U_k = lm_head(h_k)`, `h_k = RMSNorm(drafter output at block position k)`,
-//!   with the TARGET's embedding and LM head (frozen, never stored here);
+//!   with the TARGET's embedding and LM head (frozen, not stored; a DeepSpec checkpoint's
+//!   stored copies are used when it has them, [`DSparkConfig::own_embeddings`]);
 //! - sequential head, left to right from `x_0 = anchor`:
-//!   Markov `B_k = W2 W1[x_{k-1}]`; RNN `[g, c, o] = Linear([s_{k-1}; W1[x_{k-1}]; h_k])`,
+//!   Markov `B_k = W2 W1[x_{k-1}]`; gated Markov (DeepSpec)
+//!   `B_k = W2 (sigmoid(G [h_k; W1[x_{k-1}]] + g) * W1[x_{k-1}])`; RNN `[g, c, o] = Linear([s_{k-1}; W1[x_{k-1}]; h_k])`,
 //!   `s_k = sigmoid(g) s_{k-1} + (1 - sigmoid(g)) tanh(c)`, `B_k = W2 tanh(o)`, `s_0 = 0`;
 //!   parallel (DFlash baseline) `B_k = 0`; `q_k = softmax(U_k + B_k)` as processed by the
 //!   request's sampling parameters ([`target_probs`]), `x_k ~ q_k`;
@@ -26,11 +28,15 @@
 //! verification stays exact.
 //!
 //! Checkpoints are folders with `config.json` ([`DSparkConfig`]) and `model.safetensors`
-//! (tensor names of the reference implementations, stored in bf16/f16/f32, computed in f32).
+//! (tensor names of the reference implementations, stored in bf16/f16/f32, computed in f32);
+//! DeepSpec DSpark and z-lab DFlash folders load unchanged too ([`layout`]).
 
 mod head;
+pub mod layout;
 #[cfg(test)]
 mod tests;
+
+pub use layout::Layout;
 
 use crate::kv::KvCache;
 use crate::model::attention::{AttnSeq, PagedAttention};
@@ -56,6 +62,9 @@ use std::sync::Arc;
 
 const CONFIG_FILE: &str = "config.json";
 const WEIGHTS_FILE: &str = "model.safetensors";
+/// The drafter's own copies of the target's embedding and LM head ([`DSparkConfig::own_embeddings`]).
+pub const EMBED: &str = "embed_tokens.weight";
+pub const LM_HEAD: &str = "lm_head.weight";
 
 /// The sequential stage on top of the parallel backbone (`markov_head_type` in configs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,6 +74,9 @@ pub enum HeadKind {
     Parallel,
     #[serde(rename = "markov")]
     Markov,
+    /// DeepSpec's gated Markov head: `B_k = W2 (sigmoid(G [h_k; W1[x_{k-1}]] + g) * W1[x_{k-1}])`.
+    #[serde(rename = "gated")]
+    Gated,
     #[serde(rename = "rnn")]
     Rnn,
 }
@@ -102,6 +114,22 @@ pub struct DSparkConfig {
     /// (temperature 1, unfiltered) softmax of the drafter's logits.
     #[serde(default = "default_true")]
     pub enable_confidence_head: bool,
+    /// The confidence head also reads `W1[x_{k-1}]` (DeepSpec's `confidence_head_with_markov`);
+    /// false: `c_k = sigmoid(w . h_k + b)`. Ignored for the parallel head (it has no `W1`).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub confidence_head_with_markov: bool,
+    /// The anchor row's output is not a draft (z-lab DFlash): the block has `block_size + 1`
+    /// input rows `[x_0, MASK x block_size]` and draft k comes from row k (k = 1..).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skip_anchor_row: bool,
+    /// The backbone always runs the whole block (as the reference implementations do), even
+    /// when fewer draft tokens are wanted: drafts do not depend on the requested length.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub full_block: bool,
+    /// The checkpoint carries its own `embed_tokens.weight` and `lm_head.weight` (DeepSpec
+    /// stores copies of the target's) and the drafter uses them instead of the target's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub own_embeddings: bool,
     /// Adds the last context feature `c_{a-1}` (the target's state one position before the
     /// anchor, after `fc` and `hidden_norm`) to the input of every block row, EAGLE-style, on
     /// top of the KV injection. Not in the DFlash/DSpark reference (a 1-layer backbone finds
@@ -151,6 +179,9 @@ fn default_head() -> HeadKind {
 fn default_true() -> bool {
     true
 }
+fn is_true(b: &bool) -> bool {
+    *b
+}
 
 /// `count` target layers spread evenly over `num_target_layers`:
 /// `id_i = round(1 + i (N - 4) / (count - 1))`, clamped to the model and deduplicated (targets
@@ -185,8 +216,29 @@ impl DSparkConfig {
     fn seq_rank(&self) -> usize {
         match self.markov_head_type {
             HeadKind::Parallel => 0,
-            HeadKind::Markov | HeadKind::Rnn => self.markov_rank,
+            HeadKind::Markov | HeadKind::Gated | HeadKind::Rnn => self.markov_rank,
         }
+    }
+
+    /// Width of the confidence head's input: `h_k`, plus `W1[x_{k-1}]` when it reads it.
+    fn confidence_fan_in(&self) -> usize {
+        self.hidden_size
+            + if self.confidence_head_with_markov {
+                self.seq_rank()
+            } else {
+                0
+            }
+    }
+
+    /// Input rows of one block that yields `gamma` drafts ([`Self::full_block`],
+    /// [`Self::skip_anchor_row`]); the drafter cache must cover `anchor_pos` plus these.
+    pub fn block_rows(&self, gamma: usize) -> usize {
+        let drafts = if self.full_block {
+            self.block_size
+        } else {
+            gamma
+        };
+        drafts + usize::from(self.skip_anchor_row)
     }
 
     /// Rows of the draft LM head.
@@ -294,6 +346,11 @@ impl DSparkConfig {
                 return Err("draft_vocab has duplicate ids".into());
             }
         }
+        if self.own_embeddings && self.draft_vocab.is_some() {
+            return Err(
+                "own_embeddings (a stored LM head) cannot be combined with draft_vocab".into(),
+            );
+        }
         if self.compact_w1 && self.draft_vocab.is_none() {
             return Err("compact_w1 needs a draft_vocab".into());
         }
@@ -375,6 +432,18 @@ pub struct ProposeOptions<'a> {
     pub calibration: Option<&'a OnlineCalibration>,
 }
 
+/// Everything one greedy block computed ([`DSparkDrafter::trace_greedy`]), per draft position
+/// k: base logits `U_k` and sequential-head bias `B_k` (over the draft vocabulary; zeros for
+/// the parallel head), the raw confidence logit (before sigmoid and STS; None without a
+/// confidence head) and the greedy token (target id).
+#[derive(Debug, Clone)]
+pub struct BlockTrace {
+    pub base_logits: Vec<Vec<f32>>,
+    pub bias: Vec<Vec<f32>>,
+    pub confidence_logits: Option<Vec<f32>>,
+    pub tokens: Vec<u32>,
+}
+
 /// How a parameter is initialised by [`DSparkDrafter::random`].
 enum Init {
     Ones,
@@ -438,8 +507,16 @@ fn param_specs(cfg: &DSparkConfig) -> Vec<ParamSpec> {
         add(head::RNN_W.into(), vec![3 * r, 2 * r + h], lin(2 * r + h));
         add(head::RNN_B.into(), vec![3 * r], lin(2 * r + h));
     }
+    if cfg.markov_head_type == HeadKind::Gated {
+        add(head::GATE_W.into(), vec![r, h + r], lin(h + r));
+        add(head::GATE_B.into(), vec![r], lin(h + r));
+    }
+    if cfg.own_embeddings {
+        add(EMBED.into(), vec![v, h], Init::Uniform(1.0));
+        add(LM_HEAD.into(), vec![v, h], lin(h));
+    }
     if cfg.enable_confidence_head {
-        let fan_in = h + cfg.seq_rank();
+        let fan_in = cfg.confidence_fan_in();
         add(head::CONF_W.into(), vec![1, fan_in], lin(fan_in));
         add(head::CONF_B.into(), vec![1], lin(fan_in));
     }
@@ -483,6 +560,9 @@ pub struct DSparkDrafter {
     mask_row: Tensor,
     /// Rows of the target's LM head for `draft_vocab` (None: the full head).
     draft_lm_head: Option<crate::model::Linear>,
+    /// The checkpoint's own embedding `[V, hidden]` and LM head ([`DSparkConfig::own_embeddings`]).
+    own_embed: Option<Tensor>,
+    own_lm_head: Option<Linear>,
     /// `W1` row per target id with `compact_w1` ([`DSparkConfig::w1_index`]).
     w1_index: Option<Vec<u32>>,
     rope_cos: Tensor,
@@ -494,6 +574,18 @@ pub struct DSparkDrafter {
     /// Calls of [`DSparkDrafter::append_contexts`] and [`DSparkDrafter::propose_with`]
     /// (the step loop's promise: a step that drafts nothing makes none).
     calls: std::sync::atomic::AtomicU64,
+}
+
+/// The target's embedding table and LM head as dense f32 `[V, hidden]` matrices.
+fn target_embeddings(target: &Model) -> Result<(Tensor, Tensor)> {
+    let dev = &target.device;
+    let v = target.cfg.vocab_size as u32;
+    let ids: Vec<u32> = (0..v).collect();
+    let embed = target.embed(&Tensor::new(ids.as_slice(), dev)?)?;
+    let eye = Tensor::eye(target.cfg.hidden_size, DType::F32, dev)?;
+    // lm_head(I) = W^T.
+    let lm_head = target.weights.lm_head.forward(&eye)?.t()?.contiguous()?;
+    Ok((embed.to_dtype(DType::F32)?, lm_head))
 }
 
 /// Rows `rows` of a (possibly quantized) matrix; quantized rows are whole blocks, so this is a
@@ -573,6 +665,10 @@ impl DSparkDrafter {
             markov_rank: default_rank(),
             markov_head_type: head,
             enable_confidence_head: true,
+            confidence_head_with_markov: true,
+            skip_anchor_row: false,
+            full_block: false,
+            own_embeddings: false,
             context_input: false,
             sts_temperatures: None,
             sts_offsets: None,
@@ -628,17 +724,41 @@ impl DSparkDrafter {
         &self.params
     }
 
-    /// Loads a drafter folder (`config.json` + `model.safetensors`) for `target`.
+    /// Loads a drafter folder for `target`: this engine's own layout, or a DeepSpec DSpark /
+    /// z-lab DFlash checkpoint as those projects save it ([`layout`]).
     pub fn load(path: &Path, target: &Model) -> Result<Self> {
-        let cfg_path = path.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&cfg_path)
+        Ok(Self::load_layout(path, target)?.0)
+    }
+
+    /// The drafter config of a folder, in whichever layout, with that layout.
+    pub fn read_config(path: &Path) -> Result<(Layout, DSparkConfig)> {
+        let imported = Self::import_config(&path.join(CONFIG_FILE))?;
+        Ok((imported.layout, imported.cfg))
+    }
+
+    fn import_config(cfg_path: &Path) -> Result<layout::Imported> {
+        let text = std::fs::read_to_string(cfg_path)
             .with_context(|| format!("cannot read drafter config {}", cfg_path.display()))?;
-        let mut cfg: DSparkConfig = serde_json::from_str(&text).with_context(|| {
-            format!(
-                "{} is not a valid DSpark drafter config",
-                cfg_path.display()
-            )
-        })?;
+        layout::import_config(&text)
+            .with_context(|| format!("{} is not a valid drafter config", cfg_path.display()))
+    }
+
+    /// [`Self::load`], also returning the layout the folder was in.
+    pub fn load_layout(path: &Path, target: &Model) -> Result<(Self, Layout)> {
+        let cfg_path = path.join(CONFIG_FILE);
+        let imported = Self::import_config(&cfg_path)?;
+        let (kind, mut cfg) = (imported.layout, imported.cfg);
+        if let Some(n) = imported.num_target_layers {
+            if n != target.cfg.num_layers {
+                bail!(
+                    "{}: key 'num_target_layers' is {n}, expected the target's {} ({} has {} layers)",
+                    cfg_path.display(),
+                    target.cfg.num_layers,
+                    target.id,
+                    target.cfg.num_layers
+                );
+            }
+        }
         if cfg.target_layer_ids.is_empty() {
             cfg.target_layer_ids = default_target_layers(target.cfg.num_layers, 3);
         }
@@ -649,11 +769,81 @@ impl DSparkDrafter {
                 target.id
             )
         })?;
-        let w_path = path.join(WEIGHTS_FILE);
-        let tensors = candle_core::safetensors::load(&w_path, &target.device)
-            .with_context(|| format!("cannot read drafter weights {}", w_path.display()))?;
+        let tensors = layout::read_weights(path, &target.device)?;
         let store_dtype = tensors.get("fc.weight").map_or(DType::BF16, |t| t.dtype());
-        Self::build(target, cfg, tensors, store_dtype, &w_path)
+        let tensors = layout::import_tensors(kind, &cfg, tensors)
+            .with_context(|| format!("{}", path.display()))?;
+        let d = Self::build(target, cfg, tensors, store_dtype, &path.join(WEIGHTS_FILE))?;
+        Ok((d, kind))
+    }
+
+    /// Writes the drafter into `dir` in `layout`. The DeepSpec layout stores the embedding
+    /// and LM head: the drafter's own copies, or the target's.
+    pub fn save_as(&self, dir: &Path, layout: Layout, target: &Model) -> Result<()> {
+        if layout == Layout::Native {
+            return self.save(dir);
+        }
+        let embeddings = match (&self.own_embed, layout) {
+            (Some(e), _) => Some((e.clone(), self.params[LM_HEAD].clone())),
+            (None, Layout::DeepSpec) => Some(target_embeddings(target)?),
+            _ => None,
+        };
+        let (cfg, tensors) = layout::export(
+            layout,
+            &self.cfg,
+            &self.params,
+            target.cfg.num_layers,
+            embeddings,
+        )?;
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        let cfg_path = dir.join(CONFIG_FILE);
+        std::fs::write(&cfg_path, serde_json::to_string_pretty(&cfg)?)
+            .with_context(|| format!("cannot write {}", cfg_path.display()))?;
+        let mut out = HashMap::new();
+        for (name, t) in tensors {
+            out.insert(name, t.to_dtype(self.store_dtype)?);
+        }
+        let w_path = dir.join(WEIGHTS_FILE);
+        candle_core::safetensors::save(&out, &w_path)
+            .with_context(|| format!("cannot write {}", w_path.display()))
+    }
+
+    /// This drafter using the target's embedding and LM head instead of its own copies,
+    /// with the largest |difference| between the copies and the target's (0 when it had none).
+    pub fn without_own_embeddings(&self, target: &Model) -> Result<(Self, f32)> {
+        let Some(own) = &self.own_embed else {
+            return Ok((
+                Self::from_tensors(
+                    target,
+                    self.cfg.clone(),
+                    self.params
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
+                    self.store_dtype,
+                )?,
+                0.0,
+            ));
+        };
+        let (embed, lm_head) = target_embeddings(target)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        };
+        let d = diff(own, &embed)?.max(diff(&self.params[LM_HEAD], &lm_head)?);
+        let tensors = self
+            .params
+            .iter()
+            .filter(|(k, _)| k.as_str() != EMBED && k.as_str() != LM_HEAD)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let cfg = DSparkConfig {
+            own_embeddings: false,
+            ..self.cfg.clone()
+        };
+        Ok((
+            Self::from_tensors(target, cfg, tensors, self.store_dtype)?,
+            d,
+        ))
     }
 
     /// Writes `config.json` and `model.safetensors` into `dir` (created if missing).
@@ -721,11 +911,16 @@ impl DSparkDrafter {
             .enable_confidence_head
             .then(|| ConfidenceHead::new(&params, cfg.hidden_size))
             .transpose()?;
-        let mask_row = if (cfg.mask_token_id as usize) < cfg.vocab_size {
-            target.embed(&Tensor::new(&[cfg.mask_token_id], &dev)?)?
-        } else {
-            p("mask_embedding").unsqueeze(0)?
-        };
+        let own_embed = cfg.own_embeddings.then(|| p(EMBED));
+        let own_lm_head = cfg.own_embeddings.then(|| lin(LM_HEAD));
+        let mask_row =
+            if let (Some(e), true) = (&own_embed, (cfg.mask_token_id as usize) < cfg.vocab_size) {
+                e.get(cfg.mask_token_id as usize)?.unsqueeze(0)?
+            } else if (cfg.mask_token_id as usize) < cfg.vocab_size {
+                target.embed(&Tensor::new(&[cfg.mask_token_id], &dev)?)?
+            } else {
+                p("mask_embedding").unsqueeze(0)?
+            };
         let draft_lm_head = cfg
             .draft_vocab
             .as_ref()
@@ -754,6 +949,8 @@ impl DSparkDrafter {
             confidence,
             mask_row,
             draft_lm_head,
+            own_embed,
+            own_lm_head,
             w1_index,
             rope_cos,
             rope_sin,
@@ -796,6 +993,9 @@ impl DSparkDrafter {
             l.gate = q8(&n("mlp.gate_proj"))?;
             l.up = q8(&n("mlp.up_proj"))?;
             l.down = q8(&n("mlp.down_proj"))?;
+        }
+        if self.own_lm_head.is_some() {
+            self.own_lm_head = Some(q8(LM_HEAD)?);
         }
         self.seq_head.use_cpu_kernels(&self.params)?;
         Ok(())
@@ -1043,32 +1243,55 @@ impl DSparkDrafter {
             .collect()
     }
 
+    /// Embeddings of `ids`: the checkpoint's own table when it has one, else the target's.
+    fn embed(&self, target: &Model, ids: &[u32]) -> Result<Tensor> {
+        let ids = Tensor::new(ids, &self.device)?;
+        Ok(match &self.own_embed {
+            Some(e) => e.index_select(&ids, 0)?,
+            None => target.embed(&ids)?,
+        })
+    }
+
+    /// The LM head of the drafts: the checkpoint's own, the draft-vocabulary rows of the
+    /// target's, or the target's.
+    fn lm_logits(&self, target: &Model, h: &Tensor) -> Result<Tensor> {
+        Ok(match (&self.own_lm_head, &self.draft_lm_head) {
+            (Some(l), _) => l.forward(h)?,
+            (None, Some(l)) => l.forward(h)?,
+            (None, None) => target.weights.lm_head.forward(h)?,
+        })
+    }
+
     /// The parallel backbone over all requests' blocks in one batched forward: returns the
-    /// normed block outputs `h` `[sum(gamma), hidden]`, rows in request order. Writes the
-    /// blocks' keys/values into the cache at `anchor_pos..anchor_pos + gamma`.
+    /// normed block outputs `h` `[rows, hidden]` (each request's `block_rows(gamma)` rows,
+    /// in request order) and the row of each request's first draft. Writes the blocks'
+    /// keys/values into the cache at `anchor_pos..anchor_pos + block_rows(gamma)`.
     fn backbone(
         &self,
         kv: &mut KvCache,
         target: &Model,
         reqs: &[DraftRequest<'_>],
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Vec<usize>)> {
         let cfg = &self.cfg;
         let b = reqs.len();
         let mut embed_idx = Vec::new();
         let mut positions = Vec::new();
         let mut slots = Vec::new();
         let mut seqs = Vec::with_capacity(b);
+        let mut first_draft = Vec::with_capacity(b);
         for (i, r) in reqs.iter().enumerate() {
-            let end = r.anchor_pos + r.gamma;
+            let rows = cfg.block_rows(r.gamma);
+            let end = r.anchor_pos + rows;
+            first_draft.push(positions.len() + usize::from(cfg.skip_anchor_row));
             seqs.push(AttnSeq {
                 q_start: positions.len(),
-                q_len: r.gamma,
+                q_len: rows,
                 q_pos0: r.anchor_pos,
                 kv_len: end,
                 block_table: r.block_table.to_vec(),
             });
             embed_idx.push(i as u32);
-            embed_idx.extend(std::iter::repeat_n(b as u32, r.gamma - 1));
+            embed_idx.extend(std::iter::repeat_n(b as u32, rows - 1));
             for p in r.anchor_pos..end {
                 positions.push(p as u32);
                 slots.push(kv.slot(r.block_table, p) as u32);
@@ -1078,13 +1301,7 @@ impl DSparkDrafter {
         let dev = &self.device;
         let anchors: Vec<u32> = reqs.iter().map(|r| r.anchor).collect();
         // Rows 0..b: the anchors' embeddings; row b: the mask input.
-        let inputs = Tensor::cat(
-            &[
-                target.embed(&Tensor::new(anchors.as_slice(), dev)?)?,
-                self.mask_row.clone(),
-            ],
-            0,
-        )?;
+        let inputs = Tensor::cat(&[self.embed(target, &anchors)?, self.mask_row.clone()], 0)?;
         let mut x = inputs.index_select(&Tensor::new(embed_idx.as_slice(), dev)?, 0)?;
         if cfg.context_input {
             let rows = reqs
@@ -1093,8 +1310,9 @@ impl DSparkDrafter {
                     let c = r.last_context.context(
                         "this drafter (context_input) needs each request's last context feature",
                     )?;
+                    let n = cfg.block_rows(r.gamma);
                     Ok(c.reshape((1, cfg.hidden_size))?
-                        .broadcast_as((r.gamma, cfg.hidden_size))?)
+                        .broadcast_as((n, cfg.hidden_size))?)
                 })
                 .collect::<Result<Vec<_>>>()?;
             x = (x + Tensor::cat(&rows, 0)?)?;
@@ -1128,7 +1346,7 @@ impl DSparkDrafter {
             )?;
             x = (&x + l.down.forward(&gu)?)?;
         }
-        Ok(rms_norm(&x, &self.norm, self.eps)?)
+        Ok((rms_norm(&x, &self.norm, self.eps)?, first_draft))
     }
 
     /// Drafts one block per request in ONE batched drafter forward (see the module docs for
@@ -1212,38 +1430,26 @@ impl DSparkDrafter {
                     self.cfg.vocab_size
                 );
             }
-            if r.block_table.len() * kv.block_size < r.anchor_pos + r.gamma {
+            let end = r.anchor_pos + self.cfg.block_rows(r.gamma);
+            if r.block_table.len() * kv.block_size < end {
                 bail!(
-                    "drafter block table of {} blocks does not cover the block at {}..{}",
+                    "drafter block table of {} blocks does not cover the block at {}..{end}",
                     r.block_table.len(),
                     r.anchor_pos,
-                    r.anchor_pos + r.gamma
                 );
             }
         }
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let h = self.backbone(kv, target, reqs)?;
-        let lm_head = self
-            .draft_lm_head
-            .as_ref()
-            .unwrap_or(&target.weights.lm_head);
+        let (h, row0) = self.backbone(kv, target, reqs)?;
         let vd = self.cfg.draft_vocab_size();
-        let base: Vec<f32> = lm_head.forward(&h)?.flatten_all()?.to_vec1()?;
+        let base: Vec<f32> = self.lm_logits(target, &h)?.flatten_all()?.to_vec1()?;
         let conf_h = self
             .confidence
             .as_ref()
             .map(|c| c.hidden_part(&h))
             .transpose()?;
-        let row0: Vec<usize> = reqs
-            .iter()
-            .scan(0, |acc, r| {
-                let s = *acc;
-                *acc += r.gamma;
-                Some(s)
-            })
-            .collect();
         let max_gamma = reqs.iter().map(|r| r.gamma).max().unwrap_or(0);
         let mut blocks: Vec<Proposal> = reqs
             .iter()
@@ -1364,6 +1570,75 @@ impl DSparkDrafter {
             }
         }
         Ok(any)
+    }
+
+    /// One full block drafted greedily (argmax of `U_k + B_k`, no request parameters, no
+    /// STS) with every intermediate value, for checks against reference implementations:
+    /// the same backbone and heads as [`Self::propose`].
+    pub fn trace_greedy(
+        &self,
+        kv: &mut KvCache,
+        target: &Model,
+        anchor: u32,
+        anchor_pos: usize,
+        block_table: &[u32],
+    ) -> Result<BlockTrace> {
+        self.check_cache(kv)?;
+        let params = SamplingParams::default();
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let gamma = self.cfg.block_size;
+        let reqs = [DraftRequest {
+            anchor,
+            anchor_pos,
+            block_table,
+            gamma,
+            params: &params,
+            history: None,
+            rng: &mut rng,
+            last_context: None,
+        }];
+        let (h, row0) = self.backbone(kv, target, &reqs)?;
+        let rows = h.narrow(0, row0[0], gamma)?;
+        let base: Vec<Vec<f32>> = self.lm_logits(target, &rows)?.to_vec2()?;
+        let conf_h = self
+            .confidence
+            .as_ref()
+            .map(|c| c.hidden_part(&rows))
+            .transpose()?;
+        let mut out = BlockTrace {
+            base_logits: base.clone(),
+            bias: Vec::with_capacity(gamma),
+            confidence_logits: conf_h.as_ref().map(|_| Vec::with_capacity(gamma)),
+            tokens: Vec::with_capacity(gamma),
+        };
+        let mut prev = anchor;
+        let mut state = None;
+        for (k, base_k) in base.iter().enumerate() {
+            let w1_row = match &self.w1_index {
+                Some(index) => index[prev as usize],
+                None => prev,
+            };
+            let step = self
+                .seq_head
+                .step(&[w1_row], &rows, &[k as u32], &mut state)?;
+            let bias = step.bias.unwrap_or_else(|| vec![0.0; base_k.len()]);
+            let logits: Vec<f32> = base_k.iter().zip(&bias).map(|(u, b)| u + b).collect();
+            let x = crate::model::argmax(&logits);
+            if let (Some(c), Some(zh), Some(z)) =
+                (&self.confidence, &conf_h, out.confidence_logits.as_mut())
+            {
+                let e = match &step.prev_embedding {
+                    Some(e) => c.prev_part(e)?.map_or(0.0, |v| v[0]),
+                    None => 0.0,
+                };
+                z.push(zh[k] + e + c.bias);
+            }
+            let tok = self.sub_vocab.as_ref().map_or(x, |v| v.ids[x as usize]);
+            out.bias.push(bias);
+            out.tokens.push(tok);
+            prev = tok;
+        }
+        Ok(out)
     }
 
     /// Maps a draft-vocabulary token and distribution to target ids (identity without a

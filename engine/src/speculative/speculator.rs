@@ -497,7 +497,10 @@ impl Speculator {
                 .seqs
                 .entry(c.id)
                 .or_insert_with(|| SeqState::new(block));
-            if !d.kv.ensure(&mut st.draft_blocks, c.cached + gamma[i]) {
+            let rows = d.model.config().block_rows(gamma[i]);
+            if c.cached + rows > target.max_context()
+                || !d.kv.ensure(&mut st.draft_blocks, c.cached + rows)
+            {
                 gamma[i] = 0;
             }
         }

@@ -94,6 +94,16 @@ impl TrainDrafter {
     pub fn new(target: &Model, init: &DSparkDrafter) -> Result<Self> {
         let cfg = init.config().clone();
         cfg.validate(&target.cfg)?;
+        ensure!(
+            cfg.markov_head_type != HeadKind::Gated
+                && !cfg.skip_anchor_row
+                && !cfg.own_embeddings
+                && cfg.confidence_head_with_markov,
+            "training and calibration implement this engine's drafters only: not the gated head, \
+             DFlash's skipped anchor row, a stored embedding / LM head or a confidence head \
+             without W1 (convert a DeepSpec checkpoint with `dspark-engine convert` first; \
+             online recalibration works with every drafter)"
+        );
         let dev = target.device.clone();
         let varmap = VarMap::new();
         {
@@ -287,6 +297,7 @@ impl TrainDrafter {
         }
         let (logits, e) = match cfg.markov_head_type {
             HeadKind::Parallel => (base, None),
+            HeadKind::Gated => unreachable!("refused in TrainDrafter::new"),
             HeadKind::Markov => {
                 let e = get(W1)?.index_select(&idx(&prev)?, 0)?;
                 let bias = lin(&e, get(W2)?)?;

@@ -11,6 +11,8 @@ pub const W1: &str = "markov_head.markov_w1.weight";
 pub const W2: &str = "markov_head.markov_w2.weight";
 pub const RNN_W: &str = "rnn_head.proj.weight";
 pub const RNN_B: &str = "rnn_head.proj.bias";
+pub const GATE_W: &str = "markov_head.gate_proj.weight";
+pub const GATE_B: &str = "markov_head.gate_proj.bias";
 pub const CONF_W: &str = "confidence_head.proj.weight";
 pub const CONF_B: &str = "confidence_head.proj.bias";
 
@@ -20,6 +22,11 @@ pub(super) enum SeqHead {
     Markov {
         w1: Tensor,
         w2: crate::model::Linear,
+    },
+    Gated {
+        w1: Tensor,
+        w2: crate::model::Linear,
+        gate: Linear,
     },
     Rnn {
         w1: Tensor,
@@ -46,6 +53,11 @@ impl SeqHead {
                 w1: p(W1),
                 w2: crate::model::Linear::dense(p(W2)),
             },
+            HeadKind::Gated => SeqHead::Gated {
+                w1: p(W1),
+                w2: crate::model::Linear::dense(p(W2)),
+                gate: Linear::new(p(GATE_W), Some(p(GATE_B))),
+            },
             HeadKind::Rnn => SeqHead::Rnn {
                 w1: p(W1),
                 w2: crate::model::Linear::dense(p(W2)),
@@ -58,7 +70,7 @@ impl SeqHead {
     pub fn use_cpu_kernels(&mut self, params: &BTreeMap<String, Tensor>) -> Result<()> {
         match self {
             SeqHead::Parallel => {}
-            SeqHead::Markov { w2, .. } | SeqHead::Rnn { w2, .. } => {
+            SeqHead::Markov { w2, .. } | SeqHead::Gated { w2, .. } | SeqHead::Rnn { w2, .. } => {
                 *w2 = super::q8_linear(&params[W2])?;
             }
         }
@@ -83,7 +95,9 @@ impl SeqHead {
                     bias: None,
                 });
             }
-            SeqHead::Markov { w1, w2 } | SeqHead::Rnn { w1, w2, .. } => (w1, w2),
+            SeqHead::Markov { w1, w2 }
+            | SeqHead::Gated { w1, w2, .. }
+            | SeqHead::Rnn { w1, w2, .. } => (w1, w2),
         };
         let dev = h.device();
         let e = w1.index_select(&Tensor::new(prev, dev)?, 0)?;
@@ -100,6 +114,11 @@ impl SeqHead {
                 let c = gco.narrow(1, r, r)?.tanh()?;
                 *state = Some(((&g * &s)? + (g.affine(-1.0, 1.0)? * c)?)?);
                 gco.narrow(1, 2 * r, r)?.tanh()?
+            }
+            SeqHead::Gated { gate, .. } => {
+                let h_k = h.index_select(&Tensor::new(rows, dev)?, 0)?;
+                let g = candle_nn::ops::sigmoid(&gate.forward(&Tensor::cat(&[&h_k, &e], 1)?)?)?;
+                (g * &e)?
             }
             _ => e.clone(),
         };

@@ -378,7 +378,7 @@ fn backbone_matches_dense(context_input: bool) {
             last_context: s.last_ctx.as_ref(),
         })
         .collect();
-    let h = d.backbone(&mut kv, &target, &reqs).unwrap();
+    let (h, _) = d.backbone(&mut kv, &target, &reqs).unwrap();
     let want = Tensor::cat(
         &[
             dense_reference(&d, &target, 1, 9, GAMMA),
