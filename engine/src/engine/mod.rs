@@ -304,8 +304,8 @@ impl Engine {
                 Planned { entry: e, proposal }
             })
             .collect();
-        let (batch, out) = self.forward(&plan)?;
-        let finished = self.commit(&plan, &batch, &out)?;
+        let (batch, mut out) = self.forward(&plan)?;
+        let finished = self.commit(&plan, &batch, &mut out)?;
         for (i, end) in finished {
             let mut s = self.running.swap_remove(i);
             match end {
@@ -461,7 +461,41 @@ impl Engine {
         self.metrics.batch_tokens.observe(b as f64);
         self.metrics.steps.inc();
         let hidden_layers = self.spec.hidden_layers();
-        let out = self.model.forward(&batch, &mut self.kv, &hidden_layers)?;
+        // The grammar masks of the constrained sequences that sample or verify this step
+        // depend only on their state and drafts, not on the logits: they are computed on a
+        // thread of their own while the target runs, off the step's critical path.
+        let mut grammar: Vec<Option<Result<GrammarWork>>> = plan.iter().map(|_| None).collect();
+        let constrained: Vec<usize> = (0..plan.len())
+            .filter(|&k| {
+                batch[k].num_logits > 0 && self.running[plan[k].entry.seq].constraint.is_some()
+            })
+            .collect();
+        let (model, kv, running) = (&self.model, &mut self.kv, &mut self.running);
+        let out = if constrained.is_empty() {
+            model.forward(&batch, kv, &hidden_layers)?
+        } else {
+            let mut by_index: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
+            let mut work: Vec<(usize, &mut Seq)> = constrained
+                .iter()
+                .map(|&k| (k, by_index[plan[k].entry.seq].take().expect("distinct")))
+                .collect();
+            let (out, done) = std::thread::scope(|sc| {
+                let masks = sc.spawn(|| {
+                    work.iter_mut()
+                        .map(|(k, s)| {
+                            let c = s.constraint.as_mut().expect("constrained");
+                            (*k, grammar_work(c, plan[*k].proposal.as_ref()))
+                        })
+                        .collect::<Vec<_>>()
+                });
+                let out = model.forward(&batch, kv, &hidden_layers);
+                (out, masks.join())
+            });
+            for (k, r) in done.map_err(|_| anyhow::anyhow!("the grammar thread panicked"))? {
+                grammar[k] = Some(r);
+            }
+            out?
+        };
         let logits = if out.logits.dim(0)? > 0 {
             out.logits.to_vec2::<f32>()?
         } else {
@@ -473,6 +507,7 @@ impl Engine {
                 logits,
                 hidden: out.hidden,
                 batch_tokens: b,
+                grammar,
             },
         ))
     }
@@ -485,13 +520,13 @@ impl Engine {
         &mut self,
         plan: &[Planned],
         batch: &[SeqBatch],
-        out: &ForwardOut,
+        out: &mut ForwardOut,
     ) -> Result<Vec<(usize, Ending)>> {
         let speculating = self.spec.kind() != Speculation::None;
         let mut row = 0;
         let mut hidden_row = 0;
         let mut finished = Vec::new();
-        for (pl, sb) in plan.iter().zip(batch) {
+        for (k, (pl, sb)) in plan.iter().zip(batch).enumerate() {
             let i = pl.entry.seq;
             let s = &mut self.running[i];
             let first_row = hidden_row;
@@ -512,7 +547,8 @@ impl Engine {
             row += sb.num_logits;
             // A failure here (the request's grammar) is the request's own: it ends with an
             // error and the others go on.
-            let (commit, accepted) = match judge(s, pl.proposal.as_ref(), rows) {
+            let work = out.grammar.get_mut(k).and_then(Option::take);
+            let (commit, accepted) = match judge(s, pl.proposal.as_ref(), rows, work) {
                 Ok(j) => j,
                 Err(e) => {
                     tracing::warn!("request {} failed: {e:#}", s.id);
@@ -608,21 +644,31 @@ impl Engine {
 /// up to its first forbidden token, which stays in (target probability 0: rejected for
 /// certain, the residual sampled, as lossless rejection sampling needs); each position is
 /// judged after the drafts before it, and the grammar advances past what is committed.
-fn judge(s: &mut Seq, proposal: Option<&Proposal>, rows: &[Vec<f32>]) -> Result<(Vec<u32>, usize)> {
+fn judge(
+    s: &mut Seq,
+    proposal: Option<&Proposal>,
+    rows: &[Vec<f32>],
+    work: Option<Result<GrammarWork>>,
+) -> Result<(Vec<u32>, usize)> {
+    let work = match (work, s.constraint.as_mut()) {
+        (Some(w), _) => Some(w?),
+        (None, Some(c)) => Some(grammar_work(c, proposal)?),
+        (None, None) => None,
+    };
     let (commit, accepted) = match proposal {
         None => {
-            let mask = s.constraint.as_mut().map(|c| c.mask()).transpose()?;
+            let mask = match work {
+                Some(GrammarWork::Sample(m)) => Some(m),
+                _ => None,
+            };
             let tok = target_dist_masked(&rows[0], &s.req.params, &s.history, mask.as_ref())
                 .sample(&mut s.rng);
             (vec![tok], 0)
         }
         Some(p) => {
-            let (masks, allowed) = match s.constraint.as_mut() {
-                Some(c) => {
-                    let (m, k) = c.walk(&p.tokens)?;
-                    (Some(m), k)
-                }
-                None => (None, p.tokens.len()),
+            let (masks, allowed) = match work {
+                Some(GrammarWork::Block(m, k)) => (Some(m), k),
+                _ => (None, p.tokens.len()),
             };
             let mut dists = block_dists_masked(
                 &rows[..=allowed],
@@ -682,4 +728,28 @@ struct ForwardOut {
     /// The hidden states the drafter reads (the speculator's layers).
     hidden: Vec<Tensor>,
     batch_tokens: usize,
+    /// Per plan entry: the grammar work of a constrained sequence with logits.
+    grammar: Vec<Option<Result<GrammarWork>>>,
+}
+
+/// The grammar masks a constrained sequence's logits need this step.
+enum GrammarWork {
+    /// No draft: the mask of the token it samples.
+    Sample(crate::constraint::Mask),
+    /// A draft block, walked (see [`crate::constraint::Constraint::walk`]): the masks of
+    /// its positions and how many drafts the grammar allows in a row (consumed).
+    Block(Vec<crate::constraint::Mask>, usize),
+}
+
+fn grammar_work(
+    c: &mut crate::constraint::Constraint,
+    proposal: Option<&Proposal>,
+) -> Result<GrammarWork> {
+    Ok(match proposal {
+        None => GrammarWork::Sample(c.mask()?),
+        Some(p) => {
+            let (m, k) = c.walk(&p.tokens)?;
+            GrammarWork::Block(m, k)
+        }
+    })
 }
