@@ -43,6 +43,22 @@ fn start_state(
     state
 }
 
+/// An engine speculating with the shipped DSpark drafter, verifying 4 drafts per block.
+fn spawn_shipped_drafter() -> Server {
+    use dspark_engine::speculative::{Speculation, VerifyPolicy};
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters/smollm2-135m-dspark-markov");
+    spawn_with(
+        EngineConfig {
+            speculation: Speculation::DSparkMarkov,
+            policy: VerifyPolicy::Fixed { gamma: 4 },
+            ..Default::default()
+        },
+        64,
+        Some(shipped),
+    )
+}
+
 fn server() -> &'static Server {
     static S: OnceLock<Server> = OnceLock::new();
     S.get_or_init(|| spawn(EngineConfig::default(), 256))
@@ -976,7 +992,6 @@ fn streamed_calls(frames: &[String]) -> Vec<(String, String)> {
 /// history are accepted; bad tools and choices are 400s naming the field.
 #[test]
 fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
-    use dspark_engine::speculative::{Speculation, VerifyPolicy};
     let plain = server();
     let named = chat(
         "What is the weather in Paris?",
@@ -1016,17 +1031,7 @@ fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
         }
     }
     // The drafter speculates under the call grammar and changes nothing.
-    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
-    let spec = spawn_with(
-        EngineConfig {
-            speculation: Speculation::DSparkMarkov,
-            policy: VerifyPolicy::Fixed { gamma: 4 },
-            ..Default::default()
-        },
-        64,
-        Some(shipped),
-    );
+    let spec = spawn_shipped_drafter();
     let mut drafted = 0;
     for (body, want) in [(&named, &calls), (&required, &req_calls)] {
         let (code, r) = post(&spec.base, "/v1/chat/completions", body.clone());
@@ -1122,18 +1127,7 @@ fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
 /// of failing the engine step (it did: "needs each request's last context feature").
 #[test]
 fn a_prompt_cached_up_to_its_last_token_speculates_after_one_token() {
-    use dspark_engine::speculative::{Speculation, VerifyPolicy};
-    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
-    let s = spawn_with(
-        EngineConfig {
-            speculation: Speculation::DSparkMarkov,
-            policy: VerifyPolicy::Fixed { gamma: 4 },
-            ..Default::default()
-        },
-        64,
-        Some(shipped),
-    );
+    let s = spawn_shipped_drafter();
     let (code, t) = post(
         &s.base,
         "/tokenize",
