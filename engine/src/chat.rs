@@ -36,8 +36,8 @@ const GEMMA: &str = "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%
 
 pub struct ChatTemplate {
     env: Environment<'static>,
-    /// The template renders `tools` and teaches the `<tool_call>` syntax itself.
-    native_tools: bool,
+    /// The template's source (what [`crate::tools::native_template`] reads).
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -63,12 +63,11 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
-        let native_tools = source.contains("tools") && source.contains(crate::tools::OPEN);
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .context("the model's chat template does not parse")?;
         Ok(Self {
             env,
-            native_tools,
+            source,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
         })
@@ -80,10 +79,9 @@ impl ChatTemplate {
         self.render_with_tools(messages, None, add_generation_prompt)
     }
 
-    /// Whether the template renders tools in the `<tool_call>` syntax (Qwen, Hermes);
-    /// for others, [`crate::tools::inline_tools`] rewrites the conversation first.
-    pub fn native_tools(&self) -> bool {
-        self.native_tools
+    /// Whether the template's source mentions `text`.
+    pub fn mentions(&self, text: &str) -> bool {
+        self.source.contains(text)
     }
 
     /// Renders with `tools` (OpenAI tool objects) passed to the template.
@@ -162,10 +160,7 @@ mod tests {
 {{ m.content }}<|im_end|>
 {% endif %}{% endfor %}"#;
         let t = ChatTemplate::new(Some(qwen_like), Arch::Qwen3, "", "").unwrap();
-        assert!(t.native_tools());
-        assert!(!ChatTemplate::new(None, Arch::Llama, "", "")
-            .unwrap()
-            .native_tools());
+        assert!(t.mentions("tools") && t.mentions("<tool_call>"));
         let tools = [serde_json::json!({"type": "function", "function": {"name": "add"}})];
         let mut asst = ChatMessage::text("assistant", "");
         asst.tool_calls = Some(vec![serde_json::json!(

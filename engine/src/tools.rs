@@ -7,7 +7,7 @@
 //! ([`inline_tools`]: the tools as a system-prompt preamble, earlier calls and results as
 //! text in the same syntax).
 
-use crate::chat::ChatMessage;
+use crate::chat::{ChatMessage, ChatTemplate};
 use serde_json::{json, Value};
 
 /// Opens a call block.
@@ -261,6 +261,12 @@ fn partial_suffix(s: &str, pat: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// Whether a chat template renders `tools` and teaches the call syntax itself (Qwen,
+/// Hermes); for the others [`inline_tools`] rewrites the conversation first.
+pub fn native_template(t: &ChatTemplate) -> bool {
+    t.mentions("tools") && t.mentions(OPEN)
+}
+
 /// A call as a block of the call syntax.
 pub fn call_block(name: &str, arguments: &Value) -> String {
     format!(
@@ -433,6 +439,21 @@ mod tests {
         assert!(g.contains("anyOf") && g.contains("call)*"), "{g}");
         assert!(set(ToolChoice::Auto, true).forced_grammar().is_none());
         assert!(!set(ToolChoice::None, true).active());
+    }
+
+    #[test]
+    fn only_templates_with_tools_and_the_call_syntax_are_native() {
+        use crate::model::Arch;
+        let t = |src: &str| ChatTemplate::new(Some(src), Arch::Qwen3, "", "").unwrap();
+        assert!(native_template(&t(
+            "{% if tools %}{{ tools | tojson }} use <tool_call>{% endif %}"
+        )));
+        assert!(!native_template(&t(
+            "{% if tools %}{{ tools | tojson }}{% endif %}"
+        )));
+        assert!(!native_template(
+            &ChatTemplate::new(None, Arch::Llama, "", "").unwrap()
+        ));
     }
 
     #[test]

@@ -129,7 +129,7 @@ pub(super) async fn chat_completions(
     let offered = active.as_ref().map(|t| t.tools.clone());
     let prompt = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
         let tmpl = &st2.template;
-        let text = if tmpl.native_tools() {
+        let text = if crate::tools::native_template(tmpl) {
             let json: Option<Vec<serde_json::Value>> =
                 offered.map(|t| t.iter().map(Tool::to_json).collect());
             tmpl.render_with_tools(&messages, json.as_deref(), true)
