@@ -12,7 +12,7 @@ MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 8000
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e
+.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e images
 
 build:
 	scripts/build-deps.sh
@@ -57,3 +57,9 @@ print-kubeconfig:
 # timeline; DSPARK_E2E_KEEP=1 leaves the cluster up. See docs/operations.md.
 e2e: build
 	tests/e2e/e2e.sh
+
+# OCI images (operator, engine) built by buildah from images/*/Containerfile on minimal bases
+# assembled from Debian packages; into buildah's storage under $(DSPARK_CACHE)/containers.
+# `scripts/images.sh push|oci` pushes them to a registry or writes an OCI layout.
+images: build
+	scripts/images.sh build
