@@ -12,7 +12,7 @@ MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 8000
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e images
+.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e images images-test cuda-build
 
 build:
 	scripts/build-deps.sh
@@ -40,7 +40,7 @@ unit:
 python-test:
 	python3 -m pytest -q tests/python tests/otel
 
-test: setup build lint unit python-test e2e
+test: setup build lint unit python-test e2e images-test
 
 cluster-up:
 	tests/cluster/cluster.sh up
@@ -63,3 +63,9 @@ e2e: build
 # `scripts/images.sh push|oci` pushes them to a registry or writes an OCI layout.
 images: build
 	scripts/images.sh build
+
+# The images end to end without a cluster: push to a real registry on loopback
+# (tests/registry), pull by digest with skopeo, run the engine with runc as its pod would
+# (uid 65532, read-only root, /tmp volume, model mounted) and check /health and a completion.
+images-test: build
+	tests/images/run-images.sh
