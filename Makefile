@@ -69,3 +69,9 @@ images: build
 # (uid 65532, read-only root, /tmp volume, model mounted) and check /health and a completion.
 images-test: build
 	tests/images/run-images.sh
+
+# The engine with --features cuda, compiled against a CUDA toolkit from PyPI wheels (no GPU or
+# driver needed; it only compiles). Not part of `make test`: a cold build is long on 2 cores.
+# Then `scripts/images.sh build engine-cuda` makes the CUDA image. See docs/operations.md.
+cuda-build:
+	scripts/cuda-build.sh

@@ -120,13 +120,20 @@ build_one() {
   case "$name" in
     operator) base="$(build_base cc)"; bin="$TARGET/release/dspark-operator" ;;
     engine) base="$(build_base engine)"; bin="$TARGET/release/dspark-engine" ;;
-    engine-cuda) base="$(build_base engine-cuda)"; bin="${CUDA_TARGET:-$CACHE/cargo-target-cuda}/release/dspark-engine" ;;
+    engine-cuda) base="$(build_base engine)"; bin="${CUDA_TARGET:-$(scripts/cuda-build.sh target)}/release/dspark-engine" ;;
     *) die "unknown image $name" ;;
   esac
   local ctx; ctx="$(stage "$name" "$bin")"
-  local t0=$SECONDS
+  if [ "$name" = engine-cuda ]; then
+    # The CUDA runtime libraries cudarc links, from the toolkit wheels (hard links: no copy).
+    local lib; lib="$(eval "$(scripts/cuda-build.sh env)"; echo "$CUDA_ROOT/lib")"
+    rm -rf "$ctx/cuda-lib"; mkdir -p "$ctx/cuda-lib"
+    cp -al "$lib"/lib{cudart,cublas,cublasLt,curand,nvrtc,nvrtc-builtins}.so.* "$ctx/cuda-lib/"
+  fi
+  local t0=$SECONDS extra=()
+  [ "$name" != engine-cuda ] || extra=(--build-arg "CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80}")
   "${BUILDAH[@]}" bud -q --timestamp 0 --format oci --platform linux/amd64 --layers=false \
-    --build-arg "BASE=$base" --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
+    --build-arg "BASE=$base" --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" "${extra[@]}" \
     -t "localhost/dspark/$name:$VERSION" -f "$file" "$ctx" >/dev/null
   log "$name: localhost/dspark/$name:$VERSION ($((SECONDS - t0))s)"
 }
