@@ -4,7 +4,7 @@
 #
 #   scripts/images.sh build [NAME...]   base images + images (default: operator engine) into
 #                                       buildah's storage, tagged localhost/dspark/NAME:VERSION
-#   scripts/images.sh push REGISTRY [NAME...]  push them to REGISTRY (e.g. 127.0.0.1:15000) and
+#   scripts/images.sh push REGISTRY [NAME...]  build, then push them to REGISTRY (e.g. 127.0.0.1:15000) and
 #                                       write $DSPARK_IMAGES_OUT/digests.env (NAME_IMAGE=REG/dspark/NAME@sha256:...)
 #   scripts/images.sh oci DIR [NAME...] write them into the OCI layout DIR (tags NAME)
 #
@@ -146,7 +146,7 @@ case "${1:-}" in
     reg="${2:?usage: images.sh push REGISTRY [NAME...]}"; shift 2
     mkdir -p "$OUT"; : >"$OUT/digests.env.tmp"
     for n in $(names "$@"); do
-      image_exists "localhost/dspark/$n:$VERSION" || build_one "$n"
+      build_one "$n"   # always: a tag left from an older binary must not be pushed (~1 s when cached)
       "${BUILDAH[@]}" push -q --tls-verify=false --digestfile "$OUT/$n.digest" \
         "localhost/dspark/$n:$VERSION" "docker://$reg/dspark/$n:$VERSION"
       ref="$reg/dspark/$n@$(cat "$OUT/$n.digest")"
@@ -157,7 +157,7 @@ case "${1:-}" in
   oci)
     dir="${2:?usage: images.sh oci DIR [NAME...]}"; shift 2
     for n in $(names "$@"); do
-      image_exists "localhost/dspark/$n:$VERSION" || build_one "$n"
+      build_one "$n"   # always: a tag left from an older binary must not be pushed (~1 s when cached)
       "${BUILDAH[@]}" push -q "localhost/dspark/$n:$VERSION" "oci:$dir:$n"
       log "wrote $dir:$n"
     done ;;
