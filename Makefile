@@ -12,7 +12,7 @@ MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 8000
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e
+.PHONY: demo test setup build lint unit python-test cluster-up cluster-down print-kubeconfig e2e images images-test cuda-build
 
 build:
 	scripts/build-deps.sh
@@ -40,7 +40,7 @@ unit:
 python-test:
 	python3 -m pytest -q tests/python tests/otel
 
-test: setup build lint unit python-test e2e
+test: setup build lint unit python-test e2e images-test
 
 cluster-up:
 	tests/cluster/cluster.sh up
@@ -57,3 +57,21 @@ print-kubeconfig:
 # timeline; DSPARK_E2E_KEEP=1 leaves the cluster up. See docs/operations.md.
 e2e: build
 	tests/e2e/e2e.sh
+
+# OCI images (operator, engine) built by buildah from images/*/Containerfile on minimal bases
+# assembled from Debian packages; into buildah's storage under $(DSPARK_CACHE)/containers.
+# `scripts/images.sh push|oci` pushes them to a registry or writes an OCI layout.
+images: build
+	scripts/images.sh build
+
+# The images end to end without a cluster: push to a real registry on loopback
+# (tests/registry), pull by digest with skopeo, run the engine with runc as its pod would
+# (uid 65532, read-only root, /tmp volume, model mounted) and check /health and a completion.
+images-test: build
+	tests/images/run-images.sh
+
+# The engine with --features cuda, compiled against a CUDA toolkit from PyPI wheels (no GPU or
+# driver needed; it only compiles). Not part of `make test`: a cold build is long on 2 cores.
+# Then `scripts/images.sh build engine-cuda` makes the CUDA image. See docs/operations.md.
+cuda-build:
+	scripts/cuda-build.sh

@@ -59,6 +59,27 @@ else
   fi
 fi
 
+step "image tools (scripts/images.sh, tests/images)"
+# Daemonless OCI tools from Debian: buildah builds the images, skopeo pulls them by digest,
+# umoci unpacks them into a bundle, runc/crun run them.
+missing=()
+for t in buildah skopeo umoci runc crun; do command -v "$t" >/dev/null || missing+=("$t"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt_tools() { DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"; }
+  apt_tools || { apt-get update && apt_tools; }
+else
+  echo "buildah skopeo umoci runc crun present"
+fi
+
+step "OCI registry (tests/registry)"
+# The CNCF distribution registry, built once from Go modules into
+# ${DSPARK_CACHE}/registry/<key>/bin/registry (~5 min cold on 2 cores; cached key: instant).
+if command -v go >/dev/null; then
+  tests/registry/registry.sh build
+else
+  echo "go not found: skipping the registry build (make images-test will fail)"
+fi
+
 step "opentelemetry collector (tests/otel)"
 # Built once from Go modules into ${DSPARK_CACHE}/otel/<key>/bin/otelcol (2.5-5 min cold on
 # 2 cores; a cached key returns at once).

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The images, end to end without Docker or a cluster: build them (scripts/images.sh), push them
+# to a real registry on loopback (tests/registry), pull the engine and the operator back BY
+# DIGEST with skopeo, unpack with umoci and run them with runc (or crun) the way a kubelet would for the
+# pods the operator writes: user 65532, read-only root, /tmp only through a volume, the model
+# mounted read-only, host network namespace, loopback only. Checks the engine's /health and one
+# chat completion with the real SmolLM2 model, and that the operator image has no shell.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
+MODEL="${MODEL:-$CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+PORT="${DSPARK_IMAGES_TEST_PORT:-18431}"
+# runc by default: this VM mounts cgroup v1 and v2 side by side ("hybrid"), which Debian 12's
+# crun 1.8 refuses ("cgroups in hybrid mode not supported"); OCI_RUNTIME=crun on other hosts.
+RUNTIME="${OCI_RUNTIME:-runc}"
+export DSPARK_REGISTRY_PORT="${DSPARK_REGISTRY_PORT:-15000}"
+RT=("$RUNTIME")
+log() { printf '[images-test] %s\n' "$*" >&2; }
+die() { printf '[images-test] FAIL: %s\n' "$*" >&2; exit 1; }
+for t in skopeo umoci "$RUNTIME" buildah curl python3; do command -v "$t" >/dev/null || die "$t missing"; done
+[ -s "$MODEL" ] || die "model $MODEL missing (scripts/fetch-models.sh)"
+T0=$SECONDS
+WORK="$(mktemp -d /tmp/dspark-images-test.XXXXXX)"
+CTR="dspark-images-test-$$"
+cleanup() {
+  "${RT[@]}" delete -f "$CTR" >/dev/null 2>&1 || true
+  tests/registry/registry.sh down || true
+  [ "${DSPARK_IMAGES_TEST_KEEP:-0}" = 1 ] && log "kept $WORK" || rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+tests/registry/registry.sh up
+REG="$(tests/registry/registry.sh addr)"
+DSPARK_IMAGES_OUT="$WORK" scripts/images.sh push "$REG" operator engine >/dev/null
+# shellcheck disable=SC1091
+. "$WORK/digests.env"
+[[ "$ENGINE_IMAGE" == "$REG"/dspark/engine@sha256:* ]] || die "engine not referenced by digest: $ENGINE_IMAGE"
+
+pull() { # pull REF NAME: REF (by digest) -> OCI layout -> runtime bundle WORK/NAME
+  skopeo copy -q --src-tls-verify=false "docker://$1" "oci:$WORK/layout:$2"
+  local got; got="$(skopeo inspect --tls-verify=false --format '{{.Digest}}' "docker://$1")"
+  [ "$got" = "${1#*@}" ] || die "$2: registry digest $got != ${1#*@}"
+  umoci unpack --image "$WORK/layout:$2" "$WORK/$2" >/dev/null
+}
+pull "$OPERATOR_IMAGE" operator
+pull "$ENGINE_IMAGE" engine
+log "pulled by digest: $OPERATOR_IMAGE, $ENGINE_IMAGE"
+
+# The operator image: no shell, its entrypoint, labels.
+R="$WORK/operator/rootfs"
+for sh in bin/sh usr/bin/sh bin/bash usr/bin/bash bin/dash usr/bin/dash; do
+  [ ! -e "$R/$sh" ] || die "operator image has a shell: /$sh"
+done
+[ -x "$R/usr/local/bin/dspark-operator" ] || die "operator binary missing"
+cfg="$(skopeo inspect --tls-verify=false --config "docker://$OPERATOR_IMAGE")"
+python3 - "$cfg" <<'PY' || die "operator image config"
+import json, sys
+c = json.loads(sys.argv[1]); cc = c["config"]
+assert c["architecture"] == "amd64" and c["os"] == "linux", c
+assert cc["User"] == "65532:65532", cc["User"]
+assert cc["Entrypoint"] == ["/usr/local/bin/dspark-operator"], cc
+l = cc["Labels"]
+assert l["org.opencontainers.image.version"] and len(l["org.opencontainers.image.revision"]) >= 40, l
+PY
+
+# The engine as the operator's pod spec runs it (command dspark-engine serve ..., uid 65532,
+# readOnlyRootFilesystem, an emptyDir at /tmp, the model volume read-only).
+mkdir -p "$WORK/tmpvol" && chown 65532:65532 "$WORK/tmpvol"
+python3 - "$WORK/engine/config.json" "$MODEL" "$WORK/tmpvol" "$PORT" <<'PY'
+import json, sys
+path, model, tmp, port = sys.argv[1:]
+s = json.load(open(path))
+p = s["process"]
+p["terminal"] = False
+p["args"] = ["dspark-engine", "serve", "--model", "/models/model.gguf",
+             "--host", "127.0.0.1", "--port", port]
+p["user"] = {"uid": 65532, "gid": 65532}
+p["cwd"] = "/"
+p["noNewPrivileges"] = True
+p.setdefault("capabilities", {})
+for k in ("bounding", "effective", "inheritable", "permitted", "ambient"):
+    p["capabilities"][k] = []
+s["root"]["readonly"] = True
+s["hostname"] = "engine"
+s["mounts"] = [m for m in s["mounts"] if m["destination"] != "/tmp"] + [
+    {"destination": "/tmp", "type": "bind", "source": tmp, "options": ["rbind", "rw"]},
+    {"destination": "/models/model.gguf", "type": "bind", "source": model, "options": ["rbind", "ro"]},
+]
+# Host network namespace, as the test kubelet's pods have (loopback pod IPs).
+s["linux"]["namespaces"] = [n for n in s["linux"]["namespaces"] if n["type"] not in ("network", "cgroup")]
+# No resource limits in the test (the runtime's default cgroup, no cgroup namespace).
+s["linux"].pop("resources", None); s["linux"].pop("cgroupsPath", None)
+s["mounts"] = [m for m in s["mounts"] if m["type"] != "cgroup"]
+json.dump(s, open(path, "w"), indent=1)
+PY
+# An OCI bundle's command resolves in the image's PATH: crun looks `dspark-engine` up there.
+"${RT[@]}" run --bundle "$WORK/engine" "$CTR" >"$WORK/engine.log" 2>&1 &
+RPID=$!
+for _ in $(seq 1 300); do
+  curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+  kill -0 "$RPID" 2>/dev/null || { cat "$WORK/engine.log" >&2; die "engine container exited"; }
+  sleep 0.2
+done
+curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null || { tail -n 30 "$WORK/engine.log" >&2; die "no /health"; }
+REQ='{"model":"default","messages":[{"role":"user","content":"Say hello."}],"max_tokens":8,"temperature":0}'
+RESP="$(curl -fsS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type: application/json' -d "$REQ")" ||
+  { tail -n 30 "$WORK/engine.log" >&2; die "completion failed"; }
+python3 -c 'import json,sys; r=json.loads(sys.argv[1]); t=r["choices"][0]["message"]["content"]; assert r["usage"]["completion_tokens"]>0 and t, r; print("[images-test] completion:", repr(t))' "$RESP" ||
+  die "bad completion: $RESP"
+# Inside: uid 65532, root read-only, /tmp writable (the volume).
+"${RT[@]}" state "$CTR" | grep -q '"status": "running"' || die "container not running"
+PID="$("${RT[@]}" state "$CTR" | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')"
+[ "$(awk '/^Uid:/ { print $2 }' "/proc/$PID/status")" = 65532 ] || die "engine not running as 65532"
+grep -E '^[^ ]+ / ' "/proc/$PID/mounts" | grep -q '[ ,]ro[ ,]' || die "root file system not read-only"
+log "engine image served /health and a completion as uid 65532 on a read-only root ($((SECONDS - T0))s)"
+"${RT[@]}" kill "$CTR" TERM 2>/dev/null || true
+wait "$RPID" 2>/dev/null || true
+log "PASS"
