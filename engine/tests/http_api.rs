@@ -17,6 +17,7 @@ fn spawn_with(engine: EngineConfig, kv_mb: usize, drafter: Option<std::path::Pat
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
+        model_id: None,
         device: "cpu".into(),
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: kv_mb,
