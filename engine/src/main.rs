@@ -50,6 +50,10 @@ struct FetchArgs {
     /// ~/.cache/huggingface/hub).
     #[arg(long, env = "DSPARK_MODEL_CACHE")]
     cache: Option<PathBuf>,
+    /// On failure, also write the error here (at most 4096 bytes): a Kubernetes init
+    /// container's termination message, which the operator shows as ModelAvailable=False.
+    #[arg(long)]
+    termination_log: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -248,7 +252,25 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn fetch(a: FetchArgs) -> Result<()> {
-    let f = source::resolve_arg(&a.source, a.cache)?;
+    let f = match source::resolve_arg(&a.source, a.cache) {
+        Ok(f) => f,
+        Err(e) => {
+            if let Some(p) = &a.termination_log {
+                let mut msg = format!("{e:#}");
+                if msg.len() > 4096 {
+                    let mut cut = 4096;
+                    while !msg.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    msg.truncate(cut);
+                }
+                if let Err(w) = std::fs::write(p, msg) {
+                    eprintln!("cannot write the termination log {}: {w}", p.display());
+                }
+            }
+            return Err(e);
+        }
+    };
     println!(
         "{}",
         serde_json::json!({
