@@ -246,7 +246,8 @@ pub struct StartupSpec {
     #[schemars(range(min = 30, max = 86400))]
     pub startup_probe_seconds: Option<i32>,
     /// The engine Deployments' `progressDeadlineSeconds`: a rollout (download included) that
-    /// makes no progress this long is reported as stalled (default 3600).
+    /// makes no progress this long is reported as stalled (default 3600 for remote sources;
+    /// unset, the Kubernetes default, for volumes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 60, max = 86400))]
     pub progress_deadline_seconds: Option<i32>,

@@ -707,11 +707,11 @@ pub fn engine_deployment(
                     ..pod_spec_base(dsd, pool, vec![container], volumes)
                 }),
             },
-            progress_deadline_seconds: Some(
-                startup
-                    .progress_deadline_seconds
-                    .unwrap_or(crate::crd::DEFAULT_PROGRESS_DEADLINE_SECONDS),
-            ),
+            // Set when asked for, or when the rollout includes a download; otherwise left to
+            // the Kubernetes default (and to whoever else sets it).
+            progress_deadline_seconds: startup.progress_deadline_seconds.or(plan
+                .remote
+                .then_some(crate::crd::DEFAULT_PROGRESS_DEADLINE_SECONDS)),
             ..Default::default()
         },
         ..Default::default()
