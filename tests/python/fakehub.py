@@ -366,12 +366,14 @@ def _bytes_to_unicode():
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-if __name__ == "__main__":  # a manual run: serve the SmolLM2 GGUF as org/smollm2
+if __name__ == "__main__":  # the e2e test's Hub: `fakehub.py [GGUF]` serves it as REPO below
+    import sys
     import time
 
-    gguf = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache/dspark")) / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    default = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache/dspark")) / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     with FakeHub() as hub:
-        hub.add_repo("dspark/SmolLM2-135M-Instruct-GGUF", {gguf.name: gguf})
+        hub.add_repo("dspark-test/SmolLM2-135M-Instruct-GGUF", {gguf.name: gguf})
         print(hub.url, flush=True)
         while True:
             time.sleep(3600)
