@@ -9,7 +9,8 @@
 //! verify scheduler, lossless verification, behind one `Speculator` the step loop calls),
 //! the online policy experiment ([`experiment`]), the SPS(B) and draft-time cost table in
 //! force ([`cost`]) and its measurement
-//! ([`profile`]), drafter training and evaluation ([`train`]), process wiring ([`runtime`]),
+//! ([`profile`]), drafter training and evaluation ([`train`]), process wiring ([`runtime`]), model sources fetched into a shared cache ([`source`]:
+//! `hf://`, `s3://`, `https://`),
 //! the OpenAI-compatible HTTP API ([`server`]) and its metrics ([`metrics`]). Cost-table
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
 //!
@@ -44,6 +45,8 @@ pub mod runtime;
 pub mod sampling;
 #[forbid(unsafe_code)]
 pub mod server;
+#[forbid(unsafe_code)]
+pub mod source;
 #[forbid(unsafe_code)]
 pub mod speculative;
 #[cfg(test)]

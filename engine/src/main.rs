@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router;
+use dspark_engine::source;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use dspark_engine::VERSION;
 use std::path::PathBuf;
@@ -37,6 +38,23 @@ enum Cmd {
     /// throughput, per-user rate and load, and each arm's throughput ratio over the baseline
     /// from load-matched neighbouring windows with a 95 % confidence interval.
     ExperimentReport(ReportArgs),
+    /// Download a model source (hf://ORG/REPO[@REV][/FILE], s3://BUCKET/KEY, https://...)
+    /// into the cache ahead of time, check it, and print where it is (JSON on stdout).
+    Fetch(FetchArgs),
+}
+
+#[derive(clap::Args)]
+struct FetchArgs {
+    /// hf://ORG/REPO[@REVISION][/FILE], s3://BUCKET/KEY (or PREFIX/), https://URL.
+    source: String,
+    /// The cache folder (shared by replicas; default DSPARK_MODEL_CACHE, $HF_HOME/hub or
+    /// ~/.cache/huggingface/hub).
+    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    cache: Option<PathBuf>,
+    /// On failure, also write the error here (at most 4096 bytes): a Kubernetes init
+    /// container's termination message, which the operator shows as ModelAvailable=False.
+    #[arg(long)]
+    termination_log: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -63,9 +81,13 @@ struct ReportArgs {
 
 #[derive(clap::Args)]
 struct ProfileArgs {
-    /// A GGUF file or a Hugging Face model folder.
+    /// A GGUF file or a Hugging Face model folder, or a remote source (hf://, s3://,
+    /// https://; see `fetch`).
     #[arg(long, env = "DSPARK_MODEL")]
-    model: PathBuf,
+    model: String,
+    /// The cache folder for remote sources (see `fetch --cache`).
+    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    cache: Option<PathBuf>,
     /// Where to write the table (default: stdout).
     #[arg(long)]
     output: Option<PathBuf>,
@@ -98,9 +120,10 @@ struct ProfileArgs {
     #[arg(long, default_value_t = 60)]
     max_reps: usize,
     /// Also measure the drafter's time per draft call (the table's `draft_points`, which
-    /// the dspark policy uses to price drafting): this drafter checkpoint folder...
+    /// the dspark policy uses to price drafting): this drafter checkpoint folder (local or
+    /// remote like --model)...
     #[arg(long)]
-    drafter: Option<PathBuf>,
+    drafter: Option<String>,
     /// ...of this kind (parallel | dspark-markov | dspark-rnn; default: the checkpoint's head).
     #[arg(long)]
     speculation: Option<String>,
@@ -111,9 +134,13 @@ struct ProfileArgs {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// A GGUF file or a Hugging Face model folder.
+    /// A GGUF file or a Hugging Face model folder, or a remote source fetched into --cache
+    /// first: hf://ORG/REPO[@REVISION][/FILE], s3://BUCKET/KEY, https://URL.
     #[arg(long, env = "DSPARK_MODEL")]
-    model: PathBuf,
+    model: String,
+    /// The cache folder for remote sources (see `fetch --cache`).
+    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    cache: Option<PathBuf>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -153,10 +180,10 @@ struct ServeArgs {
     /// baseline) | dspark-markov | dspark-rnn.
     #[arg(long, default_value = "none")]
     speculation: String,
-    /// DSpark drafter checkpoint folder (config.json + model.safetensors). Without it, the
-    /// model drafters start untrained (random weights).
+    /// DSpark drafter checkpoint folder (config.json + model.safetensors), local or remote
+    /// like --model. Without it, the model drafters start untrained (random weights).
     #[arg(long)]
-    drafter: Option<PathBuf>,
+    drafter: Option<String>,
     /// How many draft tokens each request verifies: fixed (always gamma) | threshold
     /// (the prefix whose survival stays above --threshold) | dspark (the load-aware
     /// scheduler maximising tau * SPS(B) with the cost table).
@@ -221,7 +248,40 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Eval(a) => dspark_engine::train::cli::run_eval(a),
         Cmd::Convert(a) => dspark_engine::train::cli::run_convert(a),
         Cmd::ExperimentReport(a) => experiment_report(a),
+        Cmd::Fetch(a) => fetch(a),
     }
+}
+
+fn fetch(a: FetchArgs) -> Result<()> {
+    let f = match source::resolve_arg(&a.source, a.cache) {
+        Ok(f) => f,
+        Err(e) => {
+            if let Some(p) = &a.termination_log {
+                let mut msg = format!("{e:#}");
+                if msg.len() > 4096 {
+                    let mut cut = 4096;
+                    while !msg.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    msg.truncate(cut);
+                }
+                if let Err(w) = std::fs::write(p, msg) {
+                    eprintln!("cannot write the termination log {}: {w}", p.display());
+                }
+            }
+            return Err(e);
+        }
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "source": a.source,
+            "path": f.path,
+            "revision": f.revision,
+            "model_id": f.model_id(),
+        })
+    );
+    Ok(())
 }
 
 fn experiment_report(a: ReportArgs) -> Result<()> {
@@ -341,10 +401,21 @@ fn serve(a: ServeArgs) -> Result<()> {
                 )?,
         ),
     };
+    let model = source::resolve_arg(&a.model, a.cache.clone())?;
+    let drafter = a
+        .drafter
+        .as_deref()
+        .map(|d| source::resolve_arg(d, a.cache.clone()))
+        .transpose()?;
+    let remote = model.revision.is_some();
     let (state, summary) = runtime::start(&AppOptions {
-        model: a.model.clone(),
+        model: model.path.clone(),
+        model_id: remote.then(|| model.model_id()),
         device: a.device.clone(),
-        served_model_name: a.served_model_name.clone(),
+        served_model_name: a
+            .served_model_name
+            .clone()
+            .or_else(|| remote.then(|| model.name.clone())),
         kv_cache_mb: a.kv_cache_mb,
         kv_block_size: a.kv_block_size,
         kv_cache_dtype: runtime::parse_kv_dtype(&a.kv_cache_dtype)?,
@@ -361,7 +432,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             prefix_cache: !a.no_prefix_cache,
         },
         show_progress: true,
-        drafter: a.drafter.clone(),
+        drafter: drafter.map(|d| d.path),
         cost_table: a.cost_table.clone(),
         startup_profile: a.startup_profile,
     })?;
@@ -423,7 +494,17 @@ fn profile(a: ProfileArgs) -> Result<()> {
     use dspark_engine::profile::{cost_table, log_grid, measure, ProfileOptions};
     runtime::init_threads(a.threads);
     let device = runtime::device(&a.device)?;
-    let (model, _) = runtime::load(&a.model, &device, true)?;
+    let fetched = source::resolve_arg(&a.model, a.cache.clone())?;
+    let (mut model, _) = runtime::load(&fetched.path, &device, true)?;
+    if fetched.revision.is_some() {
+        model.id = fetched.model_id();
+    }
+    let drafter = a
+        .drafter
+        .as_deref()
+        .map(|d| source::resolve_arg(d, a.cache.clone()))
+        .transpose()?
+        .map(|d| d.path);
     let opts = ProfileOptions {
         grid: log_grid(a.max_batch.max(1), 2),
         context: a.context,
@@ -462,7 +543,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
         )
     })?;
     let mut draft_points = Vec::new();
-    if let Some(path) = &a.drafter {
+    if let Some(path) = &drafter {
         let spec = match &a.speculation {
             Some(s) => Speculation::parse(s).with_context(|| {
                 format!("unknown --speculation '{s}'; use parallel, dspark-markov or dspark-rnn")

@@ -92,6 +92,9 @@ pub fn parse_kv_dtype(s: &str) -> Result<candle_core::DType> {
 #[derive(Debug, Clone)]
 pub struct AppOptions {
     pub model: std::path::PathBuf,
+    /// The model id cost tables are keyed by, when it is not the file name (a remote source:
+    /// name plus resolved revision, see [`crate::source::Fetched::model_id`]).
+    pub model_id: Option<String>,
     pub device: String,
     pub served_model_name: Option<String>,
     pub kv_cache_mb: usize,
@@ -267,7 +270,10 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
     use std::sync::atomic::{AtomicBool, AtomicUsize};
     use std::sync::Arc;
     let device = device(&opts.device)?;
-    let (model, tok) = load(&opts.model, &device, opts.show_progress)?;
+    let (mut model, tok) = load(&opts.model, &device, opts.show_progress)?;
+    if let Some(id) = &opts.model_id {
+        model.id = id.clone();
+    }
     let mut kv = KvCache::new_as(
         model.cfg.num_layers,
         model.cfg.kv_dim(),

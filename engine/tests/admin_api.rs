@@ -28,6 +28,7 @@ fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: b
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
+        model_id: None,
         device: "cpu".into(),
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: 64,

@@ -27,6 +27,7 @@ fn start_state(
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
+        model_id: None,
         device: "cpu".into(),
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: kv_mb,

@@ -154,6 +154,7 @@ fn start_with(
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
+        model_id: None,
         device: "cpu".into(),
         served_model_name: None,
         kv_cache_mb: kv_mb,

@@ -64,6 +64,12 @@ pub struct DSparkDeploymentSpec {
     /// for the model, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drafter: Option<ModelSource>,
+    /// Where remote model sources are fetched to (default: an emptyDir per pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<ModelCacheSpec>,
+    /// Start-up budgets (download and load of large models).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub startup: Option<StartupSpec>,
     /// The engine container.
     pub engine: EngineSpec,
     /// Node pools (one engine Deployment per pool).
@@ -100,10 +106,14 @@ pub struct DSparkDeploymentSpec {
     pub autoscaling: AutoscalingSpec,
 }
 
-/// Where weights come from: exactly one of `uri`, `pvc` or `hostPath`.
+/// Where weights come from: exactly one of `huggingFace`, `s3`, `image`, `pvc`, `hostPath`
+/// or `uri`. Remote sources (`huggingFace`, `s3`, `uri`) are fetched by an init container
+/// (`dspark-engine fetch`) into the model cache volume (`spec.modelCache`) before the engine
+/// starts; a failed fetch shows as `ModelAvailable=False` with the reason.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[x_kube(
-    validation = Rule::new("[has(self.uri), has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1").message("a model source needs exactly one of uri, pvc or hostPath"),
+    validation = Rule::new("[has(self.uri), has(self.huggingFace), has(self.s3), has(self.image), has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1").message("a model source needs exactly one of huggingFace, s3, image, pvc, hostPath or uri"),
+    validation = Rule::new("!has(self.hostPath) || (has(self.allowHostPath) && self.allowHostPath)").message("hostPath reads weights from the node's filesystem (every node must hold them, and the pod gets a host mount): set allowHostPath: true to opt in, or use huggingFace, s3, image or pvc"),
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ModelSource {
@@ -111,17 +121,141 @@ pub struct ModelSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 128))]
     pub id: Option<String>,
-    /// A URI the engine understands, passed as is.
+    /// A source URI the engine fetches: `hf://ORG/REPO[@REVISION][/FILE]`, `s3://BUCKET/KEY`
+    /// or `https://...` (the typed `huggingFace` / `s3` forms carry tokens and endpoints).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024))]
+    #[x_kube(validation = Rule::new("self.matches('^(hf|s3|https)://[^/]+')").message("unknown model URI scheme: use hf://ORG/REPO[@REVISION][/FILE], s3://BUCKET/KEY or https://..., or a typed source (huggingFace, s3, image, pvc, hostPath)"))]
     pub uri: Option<String>,
+    /// A Hugging Face Hub repo (a GGUF file or a model folder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hugging_face: Option<HuggingFaceSource>,
+    /// An object (or a folder: a key ending in `/`) in an S3-compatible store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3Source>,
+    /// Weights inside an OCI image, mounted read-only as a Kubernetes image volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSource>,
     /// A file or folder inside a PersistentVolumeClaim (mounted read-only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pvc: Option<PvcSource>,
-    /// A file or folder on the node (mounted read-only).
+    /// A file or folder on the node (mounted read-only); needs `allowHostPath: true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_path: Option<HostPathSource>,
+    /// The explicit opt-in `hostPath` needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_host_path: Option<bool>,
 }
+
+/// A Hugging Face Hub repo. The revision is resolved to a commit by the init container; the
+/// engine then serves exactly that commit from the cache.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct HuggingFaceSource {
+    /// `ORG/REPO`.
+    #[schemars(
+        length(min = 3, max = 96),
+        regex(pattern = "^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+$")
+    )]
+    pub repo: String,
+    /// Branch, tag or commit (default `main`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 255))]
+    pub revision: Option<String>,
+    /// The one file to use (a GGUF file in a repo of several); unset: the repo's model folder
+    /// (config, safetensors, tokenizer) or its only GGUF file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1), inner(length(min = 1, max = 512)))]
+    pub files: Vec<String>,
+    /// A Secret key holding the Hub token (gated or private repos), passed as HF_TOKEN.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_secret_ref: Option<SecretKeyRef>,
+}
+
+/// One key of a Secret in the deployment's namespace.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// The key (default `token`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: Option<String>,
+}
+
+/// An object or folder in an S3-compatible store.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct S3Source {
+    /// `s3://BUCKET/KEY` (a file) or `s3://BUCKET/PREFIX/` (a folder).
+    #[schemars(length(min = 6, max = 1024))]
+    #[x_kube(validation = Rule::new("self.matches('^s3://[^/]+/.+')").message("s3.uri must be s3://BUCKET/KEY"))]
+    pub uri: String,
+    /// The store's URL for non-AWS stores (MinIO, Ceph, R2...), passed as AWS_ENDPOINT_URL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub endpoint: Option<String>,
+    /// Region (AWS_REGION; default us-east-1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub region: Option<String>,
+    /// A Secret with `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY` (and optionally
+    /// `AWS_SESSION_TOKEN`), passed to the fetch as environment variables.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<LocalObjectReference>,
+}
+
+/// Weights inside an OCI image (a Kubernetes image volume; the image's files, no command).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageSource {
+    /// Image reference, e.g. `registry.example.com/models/smollm2:q4_1`.
+    #[schemars(length(min = 1, max = 512))]
+    pub reference: String,
+    /// The GGUF file or model folder inside the image (default: the image's root folder).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull_policy: Option<String>,
+}
+
+/// Where remote sources are fetched to: a PVC shared by the replicas (each source is
+/// downloaded once, under a lock) or, by default, an emptyDir per pod.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelCacheSpec {
+    /// A ReadWriteMany (or single-node) PersistentVolumeClaim to fetch into.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub claim_name: Option<String>,
+    /// Size limit of the default emptyDir cache (e.g. `50Gi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_limit: Option<k8s_openapi::apimachinery::pkg::api::resource::Quantity>,
+}
+
+/// How long start-up may take: large models spend minutes downloading (the init container)
+/// and loading (before the startup probe passes).
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct StartupSpec {
+    /// Seconds the engine may take to load the model before its startup probe fails
+    /// (default 1800).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 30, max = 86400))]
+    pub startup_probe_seconds: Option<i32>,
+    /// The engine Deployments' `progressDeadlineSeconds`: a rollout (download included) that
+    /// makes no progress this long is reported as stalled (default 3600 for remote sources;
+    /// unset, the Kubernetes default, for volumes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 60, max = 86400))]
+    pub progress_deadline_seconds: Option<i32>,
+}
+
+/// Defaults of [`StartupSpec`].
+pub const DEFAULT_STARTUP_PROBE_SECONDS: i32 = 1800;
+pub const DEFAULT_PROGRESS_DEADLINE_SECONDS: i32 = 3600;
 
 /// Weights inside a PersistentVolumeClaim.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -863,8 +997,14 @@ impl ModelSource {
         if let Some(id) = &self.id {
             return id.clone();
         }
-        if let Some(uri) = &self.uri {
-            return uri.clone();
+        if let Some(uri) = self.fetch_uri() {
+            return uri;
+        }
+        if let Some(img) = &self.image {
+            return match &img.path {
+                Some(p) => format!("image:{}/{}", img.reference, p.trim_start_matches('/')),
+                None => format!("image:{}", img.reference),
+            };
         }
         if let Some(pvc) = &self.pvc {
             return format!(
@@ -877,6 +1017,29 @@ impl ModelSource {
             return format!("host:{}", hp.path);
         }
         String::new()
+    }
+}
+
+impl ModelSource {
+    /// The URI `dspark-engine fetch` downloads, for a remote source (`uri`, `huggingFace`,
+    /// `s3`); `None` for volumes.
+    pub fn fetch_uri(&self) -> Option<String> {
+        if let Some(uri) = &self.uri {
+            return Some(uri.clone());
+        }
+        if let Some(hf) = &self.hugging_face {
+            let mut u = format!("hf://{}", hf.repo);
+            if let Some(r) = &hf.revision {
+                u.push('@');
+                u.push_str(r);
+            }
+            if let Some(f) = hf.files.first() {
+                u.push('/');
+                u.push_str(f.trim_start_matches('/'));
+            }
+            return Some(u);
+        }
+        self.s3.as_ref().map(|s| s.uri.clone())
     }
 }
 

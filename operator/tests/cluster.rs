@@ -2735,3 +2735,157 @@ async fn the_admin_token_goes_only_to_pods_this_deployment_owns() {
     }
     drop_namespace(&client, &ns).await;
 }
+
+/// A `huggingFace` source with a token Secret: the engine pods fetch it in a `fetch-model`
+/// init container (HF_TOKEN from the Secret, into the model cache the engine then serves from
+/// offline). When the fetch fails (here the Hub refused the token: the pod status the kubelet
+/// reports, with the engine's error as the termination message) the deployment shows
+/// `ModelAvailable=False`, reason `Unauthorized`, with that message, and a Warning Event; once
+/// a pod's fetch completes, `ModelAvailable=True`.
+#[tokio::test]
+async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
+    use dspark_operator::crd::{HuggingFaceSource, ModelSource, SecretKeyRef};
+    let Some((client, ns)) = test_env("a_failed_model_fetch", "dspark-it-fetch").await else {
+        return;
+    };
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "hf-token"},
+        "stringData": {"token": "hf_wrong"}
+    }))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let handle = run_controller(&client, &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    dsd.spec.model = ModelSource {
+        hugging_face: Some(HuggingFaceSource {
+            repo: "dspark-test/gated-qwen3".into(),
+            token_secret_ref: Some(SecretKeyRef {
+                name: "hf-token".into(),
+                key: None,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    dsd.spec.autoscaling.period_seconds = 1;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = engine_pod(&pods, "a100", |_| true).await;
+    let spec = pod.spec.clone().unwrap();
+    let init = &spec.init_containers.as_ref().expect("an init container")[0];
+    assert_eq!(init.name, "fetch-model");
+    assert_eq!(
+        init.args.as_ref().unwrap()[..4].join(" "),
+        "fetch hf://dspark-test/gated-qwen3 --cache /models/cache"
+    );
+    let token = init
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "HF_TOKEN")
+        .unwrap();
+    let sel = token
+        .value_from
+        .as_ref()
+        .unwrap()
+        .secret_key_ref
+        .as_ref()
+        .unwrap();
+    assert_eq!((sel.name.as_str(), sel.key.as_str()), ("hf-token", "token"));
+    assert!(spec.containers[0]
+        .args
+        .as_ref()
+        .unwrap()
+        .join(" ")
+        .starts_with("serve --model hf://dspark-test/gated-qwen3 --cache /models/cache"));
+
+    let refused = "cannot fetch hf://dspark-test/gated-qwen3: the Hub refused the token for dspark-test/gated-qwen3 (401 for hf://dspark-test/gated-qwen3@main): check that HF_TOKEN is valid and has been granted access to dspark-test/gated-qwen3";
+    let fetch_status = |state: serde_json::Value, last: serde_json::Value| {
+        serde_json::json!({"status": {
+            "phase": "Pending",
+            "initContainerStatuses": [{
+                "name": "fetch-model", "image": "dspark/engine:0.1.0", "imageID": "",
+                "ready": false, "restartCount": 1, "state": state, "lastState": last
+            }]
+        }})
+    };
+    let failed = fetch_status(
+        serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+        serde_json::json!({"terminated": {"exitCode": 1, "reason": "Error", "message": refused}}),
+    );
+    pods.patch_status(
+        &pod.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&failed),
+    )
+    .await
+    .unwrap();
+    let c = wait_for("ModelAvailable=False", || {
+        let dsds = dsds.clone();
+        async move {
+            condition_of(&dsds, "smollm2", "ModelAvailable")
+                .await
+                .filter(|c| c.status == "False")
+        }
+    })
+    .await;
+    assert_eq!(c.reason, "Unauthorized");
+    assert!(
+        c.message.contains("HF_TOKEN") && c.message.contains("fetch-model"),
+        "{}",
+        c.message
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let event = wait_for("an Unauthorized Warning Event", || {
+        let events = events.clone();
+        async move {
+            events
+                .list(&ListParams::default())
+                .await
+                .ok()?
+                .items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("Unauthorized")
+                        && e.type_.as_deref() == Some("Warning")
+                        && e.involved_object.name.as_deref() == Some("smollm2")
+                })
+        }
+    })
+    .await;
+    assert!(event
+        .message
+        .unwrap_or_default()
+        .contains("refused the token"));
+
+    // The Secret is fixed and the next attempt succeeds.
+    let done = fetch_status(
+        serde_json::json!({"terminated": {"exitCode": 0, "reason": "Completed"}}),
+        serde_json::json!({"terminated": {"exitCode": 1, "reason": "Error", "message": refused}}),
+    );
+    pods.patch_status(
+        &pod.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&done),
+    )
+    .await
+    .unwrap();
+    let c = wait_for("ModelAvailable=True", || {
+        let dsds = dsds.clone();
+        async move {
+            condition_of(&dsds, "smollm2", "ModelAvailable")
+                .await
+                .filter(|c| c.status == "True")
+        }
+    })
+    .await;
+    assert_eq!(c.reason, "Fetched");
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}

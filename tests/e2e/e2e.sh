@@ -3,7 +3,8 @@
 #   cluster up (+ smoke test) -> test kubelet -> `helm install` of charts/dspark-operator with
 #   the operator built from this tree running as a pod (its ServiceAccount, RBAC, probes,
 #   leader election) -> a two-pool DSparkDeployment (config/samples/dsparkdeployment-e2e.yaml)
-#   -> profiling Jobs per node type complete, DSparkCostTables hold tables -> engine pods on
+#   whose model is a `huggingFace` source on a loopback Hub (tests/python/fakehub.py serving
+#   MODEL), fetched by each pod's init container -> profiling Jobs per node type complete, DSparkCostTables hold tables -> engine pods on
 #   the right fake nodes, served by real engine processes on loopback pod IPs, answering
 #   -> engines report the stored table (admin API digest) -> load pushes TTFT over the SLO ->
 #   a pool scales up -> load stops -> it scales down after the window -> deleting the
@@ -13,7 +14,8 @@
 #
 # Environment: DSPARK_E2E_KEEP=1 leaves the cluster and everything in it running;
 # MODEL (default: $DSPARK_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf);
-# E2E_CONCURRENCY (default 12) load workers; E2E_SKIP_SCALING=1 stops after the table checks.
+# E2E_CONCURRENCY (default 12) load workers; E2E_SKIP_SCALING=1 stops after the table checks;
+# E2E_MODEL_SOURCE=hostPath serves MODEL from a hostPath instead of the loopback Hub.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -34,6 +36,7 @@ WORK="$(mktemp -d /tmp/dspark-e2e.XXXXXX)"
 T0=$(date +%s.%N)
 TIMELINE="$WORK/timeline"
 LOAD_PID=""
+HUB_PID=""
 PREEXISTING=0
 : >"$TIMELINE"
 
@@ -74,6 +77,7 @@ diagnostics() {
 finish() {
   local rc=$?
   if [ -n "$LOAD_PID" ]; then kill "$LOAD_PID" 2>/dev/null || true; wait "$LOAD_PID" 2>/dev/null || true; fi
+  if [ -n "$HUB_PID" ]; then kill "$HUB_PID" 2>/dev/null || true; wait "$HUB_PID" 2>/dev/null || true; fi
   [ "$rc" = 0 ] || diagnostics
   echo
   echo "===== e2e timeline ($( [ "$rc" = 0 ] && echo PASSED || echo "FAILED, rc $rc")) ====="
@@ -123,8 +127,27 @@ mark "helm install done: operator pod $OPPOD Ready on $(kubectl get pod -n "$OPN
 # --- the DSparkDeployment ------------------------------------------------------------------
 kubectl create namespace "$NS" >/dev/null
 sed "s|/var/lib/dspark/models/SmolLM2-135M-Instruct.Q4_1.gguf|$MODEL|" "$SAMPLE" >"$WORK/dsd.yaml"
+SOURCE="hostPath $MODEL"
+if [ "${E2E_MODEL_SOURCE:-huggingFace}" = huggingFace ]; then
+  # The model from a Hub on loopback: the pods' fetch-model init containers download it into
+  # their model cache (HF_ENDPOINT through engine.env), the engines serve it from there.
+  python3 "$ROOT/tests/python/fakehub.py" "$MODEL" >"$WORK/hub.url" 2>"$WORK/hub.log" &
+  HUB_PID=$!
+  wait_until 30 "the loopback Hub" test -s "$WORK/hub.url"
+  HUB="$(head -n1 "$WORK/hub.url")"
+  python3 - "$WORK/dsd.yaml" "$HUB" <<'EOF' || die "cannot rewrite the sample"
+import sys, yaml
+path, hub = sys.argv[1], sys.argv[2]
+d = yaml.safe_load(open(path))
+d["spec"]["model"] = {"id": d["spec"]["model"]["id"],
+                      "huggingFace": {"repo": "dspark-test/SmolLM2-135M-Instruct-GGUF"}}
+d["spec"]["engine"].setdefault("env", []).append({"name": "HF_ENDPOINT", "value": hub})
+yaml.safe_dump(d, open(path, "w"))
+EOF
+  SOURCE="huggingFace dspark-test/SmolLM2-135M-Instruct-GGUF from the loopback Hub $HUB"
+fi
 kubectl apply -n "$NS" -f "$WORK/dsd.yaml" >/dev/null
-mark "applied DSparkDeployment $DSD (pools h100 -> h100-80gb, a100 -> a100-80gb)"
+mark "applied DSparkDeployment $DSD (pools h100 -> h100-80gb, a100 -> a100-80gb; model: $SOURCE)"
 
 jobs_done() {
   local n
@@ -211,6 +234,24 @@ for l in open(sys.argv[1]):
     assert ipaddress.ip_address(p["ip"]).is_loopback, p
 EOF
 mark "engine pods Ready on the right node types ($(ready_count) pods), with --cost-table"
+if [ -n "$HUB_PID" ]; then
+  kubectl get pods -n "$NS" -l "serving.dspark.dev/deployment=$DSD,app.kubernetes.io/component=engine" -o json >"$WORK/enginepods.json"
+  python3 - "$WORK/enginepods.json" <<'EOF' || die "engine pods did not fetch the model in their init container"
+import json, sys
+for p in json.load(open(sys.argv[1]))["items"]:
+    if "deletionTimestamp" in p["metadata"]:
+        continue
+    init = {c["name"]: c for c in p["status"].get("initContainerStatuses", [])}
+    t = init["fetch-model"]["state"].get("terminated", {})
+    print(f"[e2e]   engine {p['metadata']['name']}: fetch-model exit {t.get('exitCode')}, engine args {' '.join(p['spec']['containers'][0]['args'][:5])}")
+    assert t.get("exitCode") == 0, init
+EOF
+  model_available() {
+    kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.conditions[?(@.type=="ModelAvailable")].status}' | grep -qx True
+  }
+  wait_until 30 "ModelAvailable=True" model_available
+  mark "every engine pod fetched the model in its init container; ModelAvailable=True: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.conditions[?(@.type=="ModelAvailable")].message}')"
+fi
 
 TOKEN="$(kubectl get secret -n "$NS" "$DSD-admin-token" -o jsonpath='{.data.token}' | base64 -d)"
 check_engines() {

@@ -18,23 +18,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine(extra_args=(), log_name="dspark-python-engine.log"):
-    """A `dspark-engine serve` process on a free loopback port, ready: (proc, url, log path)."""
+def engine_bin() -> Path:
     binary = Path(os.environ.get("DSPARK_ENGINE_BIN", ROOT / "target" / "release" / "dspark-engine"))
-    model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert binary.exists(), f"{binary} missing: run `cargo build --release` (make test does)"
+    return binary
+
+
+def default_model() -> Path:
+    model = Path(os.environ.get("DSPARK_MODEL", CACHE / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     assert model.exists(), f"{model} missing: run scripts/fetch-models.sh (make test does)"
+    return model
+
+
+def launch_engine(extra_args=(), log_name="dspark-python-engine.log", model=None, env=None):
+    """A `dspark-engine serve` process on a free loopback port, not waited for:
+    (proc, url, log path). `model` may be any source (a path, hf://, s3://)."""
+    binary = engine_bin()
+    model = str(model) if model is not None else str(default_model())
     port = _free_port()
     log_path = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp")) / log_name
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [str(binary), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+        [str(binary), "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
          "--served-model-name", "smollm2", "--kv-cache-mb", "128", "--max-model-len", "2048",
          *extra_args],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    return proc, f"http://127.0.0.1:{port}", log_path
+
+
+def wait_ready(proc, url, log_path, timeout=120):
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited with {proc.returncode}; see {log_path}")
@@ -45,4 +59,10 @@ def start_engine(extra_args=(), log_name="dspark-python-engine.log"):
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("engine did not become ready in 120 s")
+    raise RuntimeError(f"engine did not become ready in {timeout} s")
+
+
+def start_engine(extra_args=(), log_name="dspark-python-engine.log", model=None, env=None):
+    """A `dspark-engine serve` process on a free loopback port, ready: (proc, url, log path)."""
+    proc, url, log_path = launch_engine(extra_args, log_name, model, env)
+    return wait_ready(proc, url, log_path)

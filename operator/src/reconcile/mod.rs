@@ -5,6 +5,7 @@
 //! back off exponentially per object.
 
 pub mod costs;
+pub mod model;
 pub mod pool;
 pub mod profiling;
 pub mod prune;
@@ -349,6 +350,8 @@ async fn reconcile_inner(
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let replica_sets_api: Api<ReplicaSet> = Api::namespaced(client.clone(), &ns);
     let mut views: Vec<PoolView> = Vec::new();
+    // Every pool's engine pods, for ModelAvailable (their fetch init containers).
+    let mut engine_pods: Vec<Pod> = Vec::new();
     let mut tables: Vec<Option<CostTable>> = Vec::new();
     let mut requeue = Duration::from_secs(spec.autoscaling.period_seconds.max(1) as u64);
 
@@ -435,6 +438,7 @@ async fn reconcile_inner(
             current.as_ref(),
             dsd.meta().uid.as_deref().unwrap_or_default(),
         );
+        engine_pods.extend(owned.iter().cloned());
         views.push(PoolView {
             name: p.name.clone(),
             cost_table: ct.name_any(),
@@ -758,6 +762,7 @@ async fn reconcile_inner(
             .clone()
             .or(old.last_scaling_decision.clone()),
         evaluated: rt.last_eval.is_some(),
+        model: model::availability(dsd, &engine_pods.iter().collect::<Vec<_>>()),
         now: &profiling::rfc3339(now_wall),
         old: &old,
     });

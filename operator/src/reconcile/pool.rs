@@ -9,10 +9,10 @@ use k8s_openapi::api::apps::v1::{
 };
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, HTTPGetAction, HostPathVolumeSource, PersistentVolumeClaimVolumeSource,
-    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile,
-    Secret, SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume,
-    VolumeMount,
+    EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction, HostPathVolumeSource, ImageVolumeSource,
+    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec, Probe,
+    ResourceRequirements, SeccompProfile, Secret, SecretEnvSource, SecretKeySelector,
+    SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -103,15 +103,114 @@ fn meta(dsd: &DSparkDeployment, name: String, labels: BTreeMap<String, String>) 
     }
 }
 
-/// A model source as the container sees it: the path to pass and the volume to mount.
+/// Where the model cache volume is mounted (fetch init containers and engine).
+pub const MODEL_CACHE_DIR: &str = "/models/cache";
+pub const MODEL_CACHE_VOLUME: &str = "model-cache";
+/// Init containers that fetch remote sources; a failure is in their termination message.
+pub const FETCH_MODEL_CONTAINER: &str = "fetch-model";
+pub const FETCH_DRAFTER_CONTAINER: &str = "fetch-drafter";
+
+/// A model source as the container sees it: the path (or URI) to pass and the volume to
+/// mount, or, for a remote source, what its fetch needs.
 pub struct Mounted {
     pub path: String,
     pub volume: Option<(Volume, VolumeMount)>,
+    pub remote: Option<Remote>,
+}
+
+/// A remote source: fetched by an init container into the cache volume, then served from
+/// there by the engine (same URI, same cache).
+pub struct Remote {
+    pub env: Vec<EnvVar>,
+    pub env_from: Vec<EnvFromSource>,
+    pub hugging_face: bool,
+}
+
+fn var(name: &str, value: String) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value),
+        ..Default::default()
+    }
 }
 
 /// Mounts `src` under `/models/{name}` (read-only) and returns the path the engine reads.
 pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
     let dir = format!("/models/{name}");
+    if let Some(uri) = src.fetch_uri() {
+        let mut env = Vec::new();
+        let mut env_from = Vec::new();
+        if let Some(t) = src
+            .hugging_face
+            .as_ref()
+            .and_then(|h| h.token_secret_ref.as_ref())
+        {
+            env.push(EnvVar {
+                name: "HF_TOKEN".into(),
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: t.name.clone(),
+                        key: t.key.clone().unwrap_or_else(|| "token".into()),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+        if let Some(s3) = &src.s3 {
+            if let Some(e) = &s3.endpoint {
+                env.push(var("AWS_ENDPOINT_URL", e.clone()));
+            }
+            env.push(var(
+                "AWS_REGION",
+                s3.region.clone().unwrap_or_else(|| "us-east-1".into()),
+            ));
+            if let Some(r) = &s3.secret_ref {
+                env_from.push(EnvFromSource {
+                    secret_ref: Some(SecretEnvSource {
+                        name: r.name.clone(),
+                        optional: None,
+                    }),
+                    ..Default::default()
+                });
+            }
+        }
+        return Mounted {
+            path: uri.clone(),
+            volume: None,
+            remote: Some(Remote {
+                env,
+                env_from,
+                hugging_face: uri.starts_with("hf://"),
+            }),
+        };
+    }
+    if let Some(img) = &src.image {
+        let volume = Volume {
+            name: name.into(),
+            image: Some(ImageVolumeSource {
+                reference: Some(img.reference.clone()),
+                pull_policy: img.pull_policy.clone(),
+            }),
+            ..Default::default()
+        };
+        let mount = VolumeMount {
+            name: name.into(),
+            mount_path: dir.clone(),
+            read_only: Some(true),
+            ..Default::default()
+        };
+        let path = match img.path.as_deref().map(|p| p.trim_matches('/')) {
+            Some(p) if !p.is_empty() => format!("{dir}/{p}"),
+            _ => dir.clone(),
+        };
+        return Mounted {
+            path,
+            volume: Some((volume, mount)),
+            remote: None,
+        };
+    }
     if let Some(pvc) = &src.pvc {
         let volume = Volume {
             name: name.into(),
@@ -130,40 +229,138 @@ pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
         return Mounted {
             path: format!("{dir}/{}", pvc.path.trim_start_matches('/')),
             volume: Some((volume, mount)),
+            remote: None,
         };
     }
-    if let Some(hp) = &src.host_path {
-        let base = hp
-            .path
-            .trim_end_matches('/')
-            .rsplit('/')
-            .next()
-            .filter(|b| !b.is_empty())
-            .unwrap_or("model");
-        let path = format!("{dir}/{base}");
-        let volume = Volume {
-            name: name.into(),
-            host_path: Some(HostPathVolumeSource {
-                path: hp.path.clone(),
-                type_: None,
+    let hp = src.host_path.clone().unwrap_or(crate::crd::HostPathSource {
+        path: String::new(),
+    });
+    let base = hp
+        .path
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .filter(|b| !b.is_empty())
+        .unwrap_or("model");
+    let path = format!("{dir}/{base}");
+    let volume = Volume {
+        name: name.into(),
+        host_path: Some(HostPathVolumeSource {
+            path: hp.path.clone(),
+            type_: None,
+        }),
+        ..Default::default()
+    };
+    let mount = VolumeMount {
+        name: name.into(),
+        mount_path: path.clone(),
+        read_only: Some(true),
+        ..Default::default()
+    };
+    Mounted {
+        path,
+        volume: Some((volume, mount)),
+        remote: None,
+    }
+}
+
+/// The model and drafter of a deployment as one pod needs them: their paths, the volumes
+/// and mounts, the fetch init containers and the environment the engine container adds.
+pub struct ModelPlan {
+    pub model: String,
+    pub drafter: Option<String>,
+    pub volumes: Vec<Volume>,
+    pub mounts: Vec<VolumeMount>,
+    pub init_containers: Vec<Container>,
+    pub env: Vec<EnvVar>,
+    pub env_from: Vec<EnvFromSource>,
+    /// Some source is remote: the engine gets `--cache`.
+    pub remote: bool,
+}
+
+pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
+    let model = mount_model(&dsd.spec.model, "model");
+    let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
+    let mut plan = ModelPlan {
+        model: model.path.clone(),
+        drafter: drafter.as_ref().map(|d| d.path.clone()),
+        volumes: Vec::new(),
+        mounts: Vec::new(),
+        init_containers: Vec::new(),
+        env: Vec::new(),
+        env_from: Vec::new(),
+        remote: false,
+    };
+    let cache_mount = VolumeMount {
+        name: MODEL_CACHE_VOLUME.into(),
+        mount_path: MODEL_CACHE_DIR.into(),
+        ..Default::default()
+    };
+    let mut hugging_face = false;
+    for (m, container) in std::iter::once((&model, FETCH_MODEL_CONTAINER))
+        .chain(drafter.as_ref().map(|d| (d, FETCH_DRAFTER_CONTAINER)))
+    {
+        if let Some((v, vm)) = &m.volume {
+            plan.volumes.push(v.clone());
+            plan.mounts.push(vm.clone());
+        }
+        let Some(r) = &m.remote else { continue };
+        plan.remote = true;
+        hugging_face |= r.hugging_face;
+        let mut env = r.env.clone();
+        env.extend(dsd.spec.engine.env.iter().cloned());
+        plan.init_containers.push(Container {
+            name: container.into(),
+            image: Some(dsd.spec.engine.image.clone()),
+            image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
+            command: Some(vec!["dspark-engine".into()]),
+            args: Some(vec![
+                "fetch".into(),
+                m.path.clone(),
+                "--cache".into(),
+                MODEL_CACHE_DIR.into(),
+                "--termination-log".into(),
+                "/dev/termination-log".into(),
+            ]),
+            env: Some(env),
+            env_from: (!r.env_from.is_empty()).then(|| r.env_from.clone()),
+            termination_message_path: Some("/dev/termination-log".into()),
+            termination_message_policy: Some("FallbackToLogsOnError".into()),
+            security_context: Some(container_security()),
+            volume_mounts: Some(vec![cache_mount.clone()]),
+            ..Default::default()
+        });
+        for e in &r.env {
+            if !plan.env.iter().any(|x| x.name == e.name) {
+                plan.env.push(e.clone());
+            }
+        }
+        plan.env_from.extend(r.env_from.iter().cloned());
+    }
+    if plan.remote {
+        let cache = dsd.spec.model_cache.clone().unwrap_or_default();
+        plan.volumes.push(Volume {
+            name: MODEL_CACHE_VOLUME.into(),
+            persistent_volume_claim: cache.claim_name.as_ref().map(|c| {
+                PersistentVolumeClaimVolumeSource {
+                    claim_name: c.clone(),
+                    read_only: None,
+                }
+            }),
+            empty_dir: cache.claim_name.is_none().then(|| EmptyDirVolumeSource {
+                size_limit: cache.size_limit.clone(),
+                ..Default::default()
             }),
             ..Default::default()
-        };
-        let mount = VolumeMount {
-            name: name.into(),
-            mount_path: path.clone(),
-            read_only: Some(true),
-            ..Default::default()
-        };
-        return Mounted {
-            path,
-            volume: Some((volume, mount)),
-        };
+        });
+        plan.mounts.push(cache_mount);
+        // The engine serves what the init container fetched (the cache's refs), without
+        // asking the Hub again: a commit pushed in between cannot change the weights.
+        if hugging_face {
+            plan.env.push(var("HF_HUB_OFFLINE", "1".into()));
+        }
     }
-    Mounted {
-        path: src.uri.clone().unwrap_or_default(),
-        volume: None,
-    }
+    plan
 }
 
 /// Pod-level placement and security shared by engine and profiling pods, with
@@ -318,6 +515,9 @@ pub fn serve_args(
     if let Some(d) = drafter {
         a.extend(["--drafter".into(), d.into()]);
     }
+    if [Some(model), drafter].into_iter().flatten().any(is_remote) {
+        a.extend(["--cache".into(), MODEL_CACHE_DIR.into()]);
+    }
     if let Some(s) = dsd.spec.speculation {
         a.extend(["--speculation".into(), s.engine_flag().into()]);
     }
@@ -355,12 +555,12 @@ pub fn serve_args(
     a
 }
 
+/// A URI the engine fetches (not a path in a volume).
+fn is_remote(path: &str) -> bool {
+    path.contains("://")
+}
+
 fn engine_env(dsd: &DSparkDeployment, pool: &NodePool) -> Vec<EnvVar> {
-    let var = |name: &str, value: String| EnvVar {
-        name: name.into(),
-        value: Some(value),
-        ..Default::default()
-    };
     let mut env = vec![var("DSPARK_NODE_TYPE", pool.node_type.clone())];
     if let Some(s) = &dsd.spec.scheduler {
         if let Some(g) = s.gamma {
@@ -405,8 +605,7 @@ pub fn engine_deployment(
     replicas: i32,
     has_table: bool,
 ) -> Deployment {
-    let model = mount_model(&dsd.spec.model, "model");
-    let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
+    let plan = model_plan(dsd);
     let (tmp_v, tmp_m) = tmp_volume();
     let mut volumes = vec![
         tmp_v,
@@ -444,12 +643,14 @@ pub fn engine_deployment(
             ..Default::default()
         },
     ];
-    for m in std::iter::once(&model).chain(drafter.as_ref()) {
-        if let Some((v, vm)) = &m.volume {
-            volumes.push(v.clone());
-            mounts.push(vm.clone());
-        }
-    }
+    volumes.extend(plan.volumes.iter().cloned());
+    mounts.extend(plan.mounts.iter().cloned());
+    let mut env = engine_env(dsd, pool);
+    env.extend(plan.env.iter().cloned());
+    let startup = dsd.spec.startup.clone().unwrap_or_default();
+    let startup_seconds = startup
+        .startup_probe_seconds
+        .unwrap_or(crate::crd::DEFAULT_STARTUP_PROBE_SECONDS);
     let container = Container {
         name: "engine".into(),
         image: Some(dsd.spec.engine.image.clone()),
@@ -457,11 +658,12 @@ pub fn engine_deployment(
         command: Some(vec!["dspark-engine".into()]),
         args: Some(serve_args(
             dsd,
-            &model.path,
-            drafter.as_ref().map(|d| d.path.as_str()),
+            &plan.model,
+            plan.drafter.as_deref(),
             has_table,
         )),
-        env: Some(engine_env(dsd, pool)),
+        env: Some(env),
+        env_from: (!plan.env_from.is_empty()).then(|| plan.env_from.clone()),
         ports: Some(vec![
             ContainerPort {
                 name: Some("http".into()),
@@ -479,7 +681,7 @@ pub fn engine_deployment(
         resources: Some(resources(dsd, pool)),
         readiness_probe: Some(http_probe("/ready", 5, 3)),
         liveness_probe: Some(http_probe("/health", 10, 3)),
-        startup_probe: Some(http_probe("/health", 5, 120)),
+        startup_probe: Some(http_probe("/health", 5, (startup_seconds + 4) / 5)),
         security_context: Some(container_security()),
         volume_mounts: Some(mounts),
         ..Default::default()
@@ -499,8 +701,17 @@ pub fn engine_deployment(
             }),
             template: PodTemplateSpec {
                 metadata: Some(pod_template_meta(dsd, labels)),
-                spec: Some(pod_spec_base(dsd, pool, vec![container], volumes)),
+                spec: Some(PodSpec {
+                    init_containers: (!plan.init_containers.is_empty())
+                        .then(|| plan.init_containers.clone()),
+                    ..pod_spec_base(dsd, pool, vec![container], volumes)
+                }),
             },
+            // Set when asked for, or when the rollout includes a download; otherwise left to
+            // the Kubernetes default (and to whoever else sets it).
+            progress_deadline_seconds: startup.progress_deadline_seconds.or(plan
+                .remote
+                .then_some(crate::crd::DEFAULT_PROGRESS_DEADLINE_SECONDS)),
             ..Default::default()
         },
         ..Default::default()
@@ -817,6 +1028,120 @@ pub(crate) mod tests {
         cpu.gpu.count = 0;
         let r = resources(&d, &cpu);
         assert!(r.limits.is_none() && r.requests.is_none());
+    }
+
+    /// A Hugging Face source: an init container fetches it into the cache volume (token from
+    /// the Secret, its error in the termination message); the engine serves the same URI from
+    /// the same cache offline; start-up budgets reach the probe and the Deployment.
+    #[test]
+    fn remote_sources_are_fetched_by_an_init_container() {
+        let mut d = sample();
+        d.spec.model = ModelSource {
+            hugging_face: Some(crate::crd::HuggingFaceSource {
+                repo: "org/repo".into(),
+                revision: Some("v1".into()),
+                files: vec!["m.Q4_1.gguf".into()],
+                token_secret_ref: Some(crate::crd::SecretKeyRef {
+                    name: "hf".into(),
+                    key: None,
+                }),
+            }),
+            ..Default::default()
+        };
+        d.spec.drafter = Some(ModelSource {
+            image: Some(crate::crd::ImageSource {
+                reference: "registry.local/drafters/d:1".into(),
+                path: Some("/drafter".into()),
+                pull_policy: None,
+            }),
+            ..Default::default()
+        });
+        d.spec.model_cache = Some(crate::crd::ModelCacheSpec {
+            claim_name: Some("models".into()),
+            size_limit: None,
+        });
+        d.spec.startup = Some(crate::crd::StartupSpec {
+            startup_probe_seconds: Some(600),
+            progress_deadline_seconds: None,
+        });
+        let dep = engine_deployment(&d, &d.spec.pools[0], 1, false);
+        assert_eq!(dep.spec.progress_deadline_seconds, Some(3600));
+        let pod = dep.spec.template.spec.unwrap();
+        let init = pod.init_containers.as_ref().unwrap();
+        assert_eq!(init.len(), 1, "only the remote source is fetched");
+        assert_eq!(init[0].name, FETCH_MODEL_CONTAINER);
+        assert_eq!(
+            init[0].args.as_ref().unwrap().join(" "),
+            "fetch hf://org/repo@v1/m.Q4_1.gguf --cache /models/cache --termination-log /dev/termination-log"
+        );
+        assert_eq!(
+            init[0].termination_message_policy.as_deref(),
+            Some("FallbackToLogsOnError")
+        );
+        let token = init[0]
+            .env
+            .iter()
+            .flatten()
+            .find(|e| e.name == "HF_TOKEN")
+            .unwrap();
+        let sel = token
+            .value_from
+            .as_ref()
+            .unwrap()
+            .secret_key_ref
+            .as_ref()
+            .unwrap();
+        assert_eq!((sel.name.as_str(), sel.key.as_str()), ("hf", "token"));
+        let c = &pod.containers[0];
+        let args = c.args.as_ref().unwrap().join(" ");
+        assert!(
+            args.starts_with(
+                "serve --model hf://org/repo@v1/m.Q4_1.gguf --drafter /models/drafter/drafter --cache /models/cache"
+            ),
+            "{args}"
+        );
+        let env = env_of(c);
+        assert_eq!(env["HF_HUB_OFFLINE"], "1");
+        assert_eq!(
+            c.startup_probe.as_ref().unwrap().failure_threshold,
+            Some(120)
+        );
+        let vols: BTreeMap<String, Volume> = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.name.clone(), v))
+            .collect();
+        assert_eq!(
+            vols[MODEL_CACHE_VOLUME]
+                .persistent_volume_claim
+                .as_ref()
+                .unwrap()
+                .claim_name,
+            "models"
+        );
+        assert_eq!(
+            vols["drafter"].image.as_ref().unwrap().reference.as_deref(),
+            Some("registry.local/drafters/d:1")
+        );
+        // The profiling Job fetches the same way.
+        let ct = crate::crd::DSparkCostTable::new(
+            "t",
+            crate::crd::DSparkCostTableSpec {
+                model_id: d.spec.model.identity(),
+                drafter_id: None,
+                engine_version: "0.1.0".into(),
+                node_type: "a100".into(),
+            },
+        );
+        let job = crate::reconcile::profiling::profiling_job(&d, &d.spec.pools[0], &ct, "j");
+        let jp = job.spec.unwrap().template.spec.unwrap();
+        assert_eq!(jp.init_containers.unwrap()[0].name, FETCH_MODEL_CONTAINER);
+        assert!(jp.containers[0]
+            .args
+            .as_ref()
+            .unwrap()
+            .contains(&"--cache".to_string()));
     }
 
     /// The drain flag is not passed twice; the grace period follows the flag the user passes,

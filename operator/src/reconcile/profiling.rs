@@ -17,8 +17,8 @@ use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
 
 use super::pool::{
-    container_security, mount_model, pod_spec_base, pod_template_meta, resources, LABEL_COMPONENT,
-    LABEL_MANAGED_BY, MANAGER,
+    container_security, model_plan, pod_spec_base, pod_template_meta, resources, LABEL_COMPONENT,
+    LABEL_MANAGED_BY, MANAGER, MODEL_CACHE_DIR,
 };
 use crate::crd::{
     CostTableKey, CostTablePhase, DSparkCostTable, DSparkCostTableStatus, DSparkDeployment,
@@ -45,11 +45,11 @@ pub fn profiling_job(
     ct: &DSparkCostTable,
     name: &str,
 ) -> Job {
-    let model = mount_model(&dsd.spec.model, "model");
+    let plan = model_plan(dsd);
     let mut args = vec![
         "profile".to_string(),
         "--model".into(),
-        model.path.clone(),
+        plan.model.clone(),
         "--output".into(),
         "/dev/termination-log".into(),
         "--compact".into(),
@@ -58,27 +58,25 @@ pub fn profiling_job(
     ];
     // With a drafter, the table also carries its time per draft call (`draft_points`),
     // which the dspark policy prices drafting with.
-    let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
-    if let Some(d) = &drafter {
-        args.extend(["--drafter".into(), d.path.clone()]);
+    if let Some(d) = &plan.drafter {
+        args.extend(["--drafter".into(), d.clone()]);
+    }
+    if plan.remote {
+        args.extend(["--cache".into(), MODEL_CACHE_DIR.into()]);
     }
     args.extend(dsd.spec.profiling.args.iter().cloned());
-    let mut volumes: Vec<Volume> = Vec::new();
-    let mut mounts = Vec::new();
-    for (v, m) in std::iter::once(model.volume)
-        .chain(drafter.map(|d| d.volume))
-        .flatten()
-    {
-        volumes.push(v);
-        mounts.push(m);
-    }
+    let volumes: Vec<Volume> = plan.volumes.clone();
+    let mounts = plan.mounts.clone();
+    let mut env = plan.env.clone();
+    env.extend(dsd.spec.engine.env.iter().cloned());
     let container = Container {
         name: PROFILE_CONTAINER.into(),
         image: Some(dsd.spec.engine.image.clone()),
         image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
         command: Some(vec!["dspark-engine".into()]),
         args: Some(args),
-        env: (!dsd.spec.engine.env.is_empty()).then(|| dsd.spec.engine.env.clone()),
+        env: (!env.is_empty()).then_some(env),
+        env_from: (!plan.env_from.is_empty()).then(|| plan.env_from.clone()),
         resources: Some(resources(dsd, pool)),
         termination_message_path: Some("/dev/termination-log".into()),
         termination_message_policy: Some("File".into()),
@@ -93,6 +91,7 @@ pub fn profiling_job(
     ]);
     let mut pod = pod_spec_base(dsd, pool, vec![container], volumes);
     pod.restart_policy = Some("Never".into());
+    pod.init_containers = (!plan.init_containers.is_empty()).then_some(plan.init_containers);
     Job {
         metadata: ObjectMeta {
             name: Some(name.into()),

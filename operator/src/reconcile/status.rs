@@ -52,6 +52,8 @@ pub struct StatusInput<'a> {
     pub last_decision: Option<ScalingDecisionStatus>,
     /// Whether the autoscaler has looked at metrics yet.
     pub evaluated: bool,
+    /// Whether the pods have their weights (the fetch init containers).
+    pub model: super::model::ModelAvailability,
     /// RFC 3339 time of this reconcile (used only for conditions that change).
     pub now: &'a str,
     pub old: &'a DSparkDeploymentStatus,
@@ -63,8 +65,9 @@ fn ms(x: Option<f64>) -> Option<f64> {
 
 /// The condition types the operator writes; `status.conditions` is a map by type, so other
 /// controllers may add their own next to them.
-pub const OWN_CONDITIONS: [&str; 7] = [
+pub const OWN_CONDITIONS: [&str; 8] = [
     "Ready",
+    "ModelAvailable",
     "Available",
     "Progressing",
     "Profiled",
@@ -122,6 +125,12 @@ pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
         profiled_condition(i),
         scaling_condition(i),
         metrics_condition(i),
+        condition(
+            "ModelAvailable",
+            i.model.ok,
+            &i.model.reason,
+            i.model.message.clone(),
+        ),
     ];
     for c in &mut conditions {
         c.observed_generation = i.dsd.metadata.generation;
@@ -599,6 +608,11 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: true,
+            model: super::super::model::ModelAvailability {
+                ok: Some(true),
+                reason: "VolumeSource".into(),
+                message: String::new(),
+            },
             now,
             old,
         };
@@ -627,7 +641,7 @@ mod tests {
         assert_eq!(s1, s2);
         assert!(transitions(&s1, &s2).is_empty());
         let t = transitions(&old, &s1);
-        assert_eq!(t.len(), 6);
+        assert_eq!(t.len(), 7);
     }
 
     #[test]
@@ -644,6 +658,11 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: false,
+            model: super::super::model::ModelAvailability {
+                ok: Some(true),
+                reason: "VolumeSource".into(),
+                message: String::new(),
+            },
             now,
             old,
         };
@@ -705,6 +724,11 @@ mod tests {
                 breached: &breached,
                 last_decision: None,
                 evaluated: false,
+                model: super::super::model::ModelAvailability {
+                    ok: Some(true),
+                    reason: "VolumeSource".into(),
+                    message: String::new(),
+                },
                 now: "2026-11-29T10:00:00Z",
                 old: &old,
             })
@@ -762,6 +786,11 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: true,
+            model: super::super::model::ModelAvailability {
+                ok: Some(true),
+                reason: "VolumeSource".into(),
+                message: String::new(),
+            },
             now: "2026-11-29T10:00:00Z",
             old: &old,
         });

@@ -102,6 +102,26 @@ pub async fn run_pod(
                 ..Default::default()
             })
             .collect(),
+        init: spec
+            .init_containers
+            .iter()
+            .flatten()
+            .map(|c| ContainerStatus {
+                name: c.name.clone(),
+                image: c.image.clone().unwrap_or_default(),
+                image_id: String::new(),
+                ready: false,
+                restart_count: 0,
+                state: Some(ContainerState {
+                    waiting: Some(ContainerStateWaiting {
+                        reason: Some("PodInitializing".into()),
+                        message: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .collect(),
         done: vec![false; spec.containers.len()],
         phase: "Pending".into(),
         message: None,
@@ -149,7 +169,7 @@ pub async fn run_pod(
     let (tx, mut rx) = mpsc::channel::<(usize, ContainerStatus, bool)>(64);
     let mut running = 0;
     let mut refresher = None;
-    if let Some(prepared) = prepared {
+    if let Some((inits, prepared)) = prepared {
         info!(pod = %format!("{ns}/{name}"), %ip, dir = %dir.display(), "starting");
         let (client, pod, dir) = (shared.client.clone(), pod.clone(), dir.clone());
         refresher = Some(tokio::spawn(async move {
@@ -160,7 +180,51 @@ pub async fn run_pod(
                 }
             }
         }));
-        for (i, c) in prepared.into_iter().enumerate() {
+        // Init containers, one after the other, each to success (retried with back-off
+        // unless the pod never restarts); the containers start only after all of them.
+        let mut initialized = true;
+        for (i, c) in inits.into_iter().enumerate() {
+            let c = Arc::new(ContainerRun {
+                idx: i,
+                restart_policy: if restart == "Never" {
+                    "Never"
+                } else {
+                    "OnFailure"
+                }
+                .into(),
+                ip,
+                pgid_dir: shared.state_dir.join("pgids"),
+                max_grace: shared.max_grace,
+                ..c
+            });
+            let (itx, mut irx) = mpsc::channel::<(usize, ContainerStatus, bool)>(16);
+            tokio::spawn(supervise(c, stop.clone(), itx));
+            let mut ok = false;
+            while let Some((_, cs, done)) = irx.recv().await {
+                ok = cs
+                    .state
+                    .as_ref()
+                    .and_then(|s| s.terminated.as_ref())
+                    .is_some_and(|t| t.exit_code == 0);
+                status.init[i] = cs;
+                if stop.borrow().is_none() {
+                    status.write(&api, &name).await;
+                }
+                if done {
+                    break;
+                }
+            }
+            if !ok || stop.borrow().is_some() {
+                initialized = false;
+                break;
+            }
+        }
+        if !initialized && restart == "Never" && stop.borrow().is_none() {
+            status.phase = "Failed".into();
+            status.reason = Some("InitContainerFailed".into());
+            status.write(&api, &name).await;
+        }
+        for (i, c) in prepared.into_iter().enumerate().filter(|_| initialized) {
             let c = Arc::new(ContainerRun {
                 idx: i,
                 restart_policy: restart.clone(),
@@ -224,6 +288,7 @@ struct PodView {
     host_ip: String,
     start: Time,
     containers: Vec<ContainerStatus>,
+    init: Vec<ContainerStatus>,
     done: Vec<bool>,
     phase: String,
     reason: Option<String>,
@@ -266,6 +331,12 @@ impl PodView {
             })
         };
         let started = self.phase != "Pending";
+        let initialized = self.init.iter().all(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        });
         let patch = json!({
             "status": {
                 "phase": self.phase,
@@ -278,12 +349,13 @@ impl PodView {
                 "startTime": self.start,
                 "conditions": [
                     cond("PodScheduled", true),
-                    cond("Initialized", true),
+                    cond("Initialized", initialized),
                     cond("PodReadyToStartContainers", started),
                     cond("ContainersReady", all_ready && running),
                     cond("Ready", all_ready && running),
                 ],
                 "containerStatuses": self.containers,
+                "initContainerStatuses": self.init,
             }
         });
         match api
@@ -654,20 +726,17 @@ async fn resolve_services(client: &Client, arg: &str) -> anyhow::Result<String> 
     Ok(out)
 }
 
-/// Builds every container's command line, environment and paths.
+/// Builds every container's command line, environment and paths: (init containers, containers).
 async fn prepare(
     shared: &Shared,
     pod: &Pod,
     dir: &Path,
     ip: Ipv4Addr,
     host_ip: &str,
-) -> anyhow::Result<Vec<ContainerRun>> {
+) -> anyhow::Result<(Vec<ContainerRun>, Vec<ContainerRun>)> {
     let client = &shared.client;
     let ns = pod.namespace().unwrap_or_default();
     let spec = pod.spec.clone().unwrap_or_default();
-    if spec.init_containers.as_ref().is_some_and(|c| !c.is_empty()) {
-        bail!("init containers are not supported by the test kubelet");
-    }
     std::fs::create_dir_all(dir.join("home"))?;
     let vols = volumes(client, pod, dir, ip, host_ip).await?;
     let api_url = shared.apiserver_url.trim_end_matches('/');
@@ -676,6 +745,16 @@ async fn prepare(
         .rsplit_once(':')
         .map(|(h, p)| (h.to_string(), p.to_string()))
         .unwrap_or_else(|| ("127.0.0.1".into(), "443".into()));
+    let mut inits = Vec::new();
+    for c in spec.init_containers.iter().flatten() {
+        inits.push(
+            prepare_container(
+                shared, pod, c, dir, ip, host_ip, &vols, &ns, api_url, &api_host, &api_port,
+            )
+            .await
+            .with_context(|| format!("init container {}", c.name))?,
+        );
+    }
     let mut out = Vec::new();
     for c in &spec.containers {
         out.push(
@@ -686,7 +765,7 @@ async fn prepare(
             .with_context(|| format!("container {}", c.name))?,
         );
     }
-    Ok(out)
+    Ok((inits, out))
 }
 
 #[allow(clippy::too_many_arguments)]

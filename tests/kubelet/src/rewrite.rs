@@ -191,11 +191,20 @@ pub fn allocate(base: Ipv4Addr, bits: u8, used: &BTreeSet<Ipv4Addr>) -> Option<I
 
 /// The host of the first URL in `a` (`scheme://host...`) that is not a loopback address
 /// literal or `localhost`, if any: such an argument would make the process leave loopback
-/// (or do a DNS lookup).
+/// (or do a DNS lookup). Model sources `hf://ORG/REPO` and `s3://BUCKET/KEY` name no host:
+/// where they are fetched from is the HF_ENDPOINT / AWS_ENDPOINT_URL of the environment.
 pub fn non_loopback_url(a: &str) -> Option<String> {
     let mut rest = a;
     while let Some(i) = rest.find("://") {
         let after = &rest[i + 3..];
+        let scheme = rest[..i]
+            .rsplit(|c: char| !c.is_ascii_alphanumeric())
+            .next()
+            .unwrap_or("");
+        if scheme == "hf" || scheme == "s3" {
+            rest = after;
+            continue;
+        }
         let authority = after.split(['/', '?', '#']).next().unwrap_or("");
         let hostport = authority.rsplit('@').next().unwrap_or(authority);
         let host = if let Some(v6) = hostport.strip_prefix('[') {
@@ -303,6 +312,10 @@ mod tests {
         assert_eq!(service_hosts("x.y.svc.cluster.local")[0].3, "y");
         assert!(service_hosts("a.b.svcx").is_empty());
         assert_eq!(non_loopback_url("http://127.1.0.2:8080/x"), None);
+        assert_eq!(
+            non_loopback_url("hf://org/repo@main/m.gguf s3://bucket/k"),
+            None
+        );
         assert_eq!(
             non_loopback_url("--u=http://[::1]:80 https://localhost/"),
             None
