@@ -344,6 +344,7 @@ fn serve_greedy(
     runtime::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: model.to_path_buf(),
+        model_id: None,
         device: "cpu".into(),
         served_model_name: None,
         kv_cache_mb: 16,
