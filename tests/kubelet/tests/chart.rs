@@ -438,7 +438,7 @@ apiVersion: serving.dspark.dev/v1alpha1
 kind: DSparkDeployment
 metadata: {name: rbac-probe}
 spec:
-  model: {id: m, uri: /nonexistent/m.gguf}
+  model: {id: m, uri: "hf://example/m"}
   engine: {image: dspark/engine:dev}
   pools:
     - {name: a100, nodeType: a100-80gb, minReplicas: 0, maxReplicas: 1}
