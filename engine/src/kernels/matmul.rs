@@ -15,9 +15,9 @@ use super::pool;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Scalar,
-    /// AVX2 + FMA + F16C.
+    /// AVX2 + FMA + F16C (packed Q4_0 / Q4_1 / Q8_0 weights use [`super::packed`]).
     Avx2,
-    /// Avx2 plus AVX-512 F/BW/VL/VNNI: packed weights (Q4_0, Q4_1, Q8_0) use [`super::vnni`].
+    /// Avx2 plus AVX-512 F/BW/VL/VNNI (wider packed kernels, [`super::packed`]).
     Avx512Vnni,
 }
 
@@ -31,7 +31,7 @@ impl Isa {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
-                return if super::vnni::available() {
+                return if super::packed::avx512_available() {
                     Isa::Avx512Vnni
                 } else {
                     Isa::Avx2

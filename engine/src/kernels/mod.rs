@@ -11,8 +11,9 @@
 //! - [`dot`]: scalar and AVX2/FMA block dot products, R = 1..=4 input rows per weight row.
 //! - [`matmul`]: the tiled, parallel driver.
 //! - [`pool`]: the spinning thread pool the forward's parallel regions run on.
-//! - [`vnni`]: AVX-512 VNNI kernels on weights repacked 16 rows per vector (Q4_0, Q4_1,
-//!   Q8_0), used when the CPU has them and the caller supplies the packed copy.
+//! - [`packed`]: kernels on weights repacked one row per 32-bit lane (Q4_0, Q4_1, Q8_0; 8
+//!   rows per vector for AVX2, 16 for AVX-512 VNNI), used when the caller supplies the
+//!   packed copy for the ISA in use.
 //! - [`vmath`]: vectorised exp, softmax and SwiGLU for the rest of the forward.
 //!
 //! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
@@ -21,10 +22,10 @@
 pub mod blocks;
 pub mod dot;
 pub mod matmul;
+pub mod packed;
 pub mod pool;
 pub mod q8;
 pub mod vmath;
-pub mod vnni;
 
 use candle_core::quantized::GgmlDType;
 pub use matmul::Isa;
@@ -108,7 +109,7 @@ pub struct QMatrix<'a> {
     pub n: usize,
     pub k: usize,
     data: &'a [u8],
-    packed: Option<&'a vnni::Packed>,
+    packed: Option<&'a packed::Packed>,
 }
 
 fn cast<W>(data: &[u8]) -> &[W] {
@@ -154,8 +155,8 @@ impl<'a> QMatrix<'a> {
         })
     }
 
-    /// Also use `p` (the same matrix repacked) where the CPU runs the VNNI kernels.
-    pub fn with_packed(mut self, p: Option<&'a vnni::Packed>) -> Self {
+    /// Also use `p` (the same matrix repacked) when a call runs on `p.isa`.
+    pub fn with_packed(mut self, p: Option<&'a packed::Packed>) -> Self {
         if let Some(p) = p {
             assert!(
                 p.ty == self.ty && p.n == self.n && p.k == self.k,
@@ -167,8 +168,8 @@ impl<'a> QMatrix<'a> {
     }
 
     /// The packed copy, when this call will use it.
-    fn packed_for(&self, isa: Isa) -> Option<&'a vnni::Packed> {
-        self.packed.filter(|_| isa == Isa::Avx512Vnni)
+    fn packed_for(&self, isa: Isa) -> Option<&'a packed::Packed> {
+        self.packed.filter(|p| p.isa == isa)
     }
 
     /// `out[m, n] = x[m, k] · Wᵀ` with the best instruction set of this CPU.
@@ -273,7 +274,7 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
     let shapes: Vec<(usize, usize, usize)> = ws
         .iter()
         .map(|w| match w.packed_for(isa) {
-            Some(_) => (w.n, w.row_bytes(), vnni::LANES),
+            Some(p) => (w.n, w.row_bytes(), p.lanes()),
             None => (w.n, w.row_bytes(), 1),
         })
         .collect();

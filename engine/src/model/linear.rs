@@ -9,7 +9,7 @@
 //! rows of the LM head) still can.
 
 use super::config::Activation;
-use crate::kernels::{matmul_many, vnni::Packed, Isa, QMatrix, QType};
+use crate::kernels::{matmul_many, packed::Packed, Isa, QMatrix, QType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{
     CpuStorage, CustomOp1, DType, Device, Layout, Module, Result, Shape, Storage, Tensor,
@@ -27,15 +27,18 @@ struct KernelOp {
     ty: QType,
     n: usize,
     k: usize,
-    /// The same weights repacked for the AVX-512 VNNI kernels, on CPUs that have them
-    /// (a second copy of this matrix in memory).
+    /// The same weights repacked for the SIMD kernels of this CPU (AVX2 or AVX-512 VNNI; a
+    /// second copy of this matrix in memory).
     packed: Option<Packed>,
 }
 
 impl KernelOp {
     fn new(w: Arc<QTensor>, ty: QType, n: usize, k: usize) -> Self {
-        let packed = if Isa::detect() == Isa::Avx512Vnni && Packed::supports(ty, n, k) {
-            w.data().ok().and_then(|d| Packed::new(ty, n, k, &d).ok())
+        let isa = Isa::detect();
+        let packed = if packing() && Packed::supports(ty, n, k, isa) {
+            w.data()
+                .ok()
+                .and_then(|d| Packed::new(ty, n, k, &d, isa).ok())
         } else {
             None
         };
@@ -53,6 +56,13 @@ impl KernelOp {
             .map_err(candle_core::Error::msg)?
             .with_packed(self.packed.as_ref()))
     }
+}
+
+/// Whether weights are repacked for the SIMD kernels: yes unless `DSPARK_KERNEL_PACKING=off`
+/// (an A/B switch for benchmarks; the ggml-layout kernels then run, with half the memory).
+fn packing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DSPARK_KERNEL_PACKING").as_deref() != Ok("off"))
 }
 
 fn log_fallback(dtype: GgmlDType) {

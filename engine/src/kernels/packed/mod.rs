@@ -1,0 +1,242 @@
+//! Weights repacked for SIMD kernels that keep one output row per 32-bit lane (Q4_0, Q4_1,
+//! Q8_0): 8 rows per group for AVX2, 16 for AVX-512 VNNI.
+//!
+//! The ggml layout keeps each row's blocks together, so an x86 dot product reduces 32 lanes
+//! of one block to one number per block, per input row (`maddubs`, `madd`, a float convert,
+//! a scalar scale, a horizontal sum at the end): about eight instructions per weight row,
+//! block and input row, which makes even single-token decoding compute-bound on two cores
+//! and each extra verify row as dear as the first. Here the weights are repacked once at
+//! load so that one vector holds 4 consecutive quants of the same block of `lanes` different
+//! rows; the input row's 4 matching activation bytes are broadcast and multiplied in (one
+//! `vpdpbusd`, or `maddubs` with an `i16` accumulator), and the block's sum lands in the
+//! row's own lane. The scales of `lanes` rows are one vector, so a block costs one convert
+//! and one FMA per input row for all of them, with no horizontal reduction at all; the
+//! unpacked weights stay in registers for up to 4 input rows.
+//!
+//! Packed layout, per group of `lanes` rows, block after block (`nb` blocks per row), with
+//! `V = 4 * lanes` bytes per vector:
+//! - Q4_0 / Q4_1: 4 vectors of quants (vector `c`, lane `l` = bytes `4c..4c + 4` of row
+//!   `l`'s ggml `qs`: low nibbles are elements `4c..4c + 4`, high nibbles `16 + 4c..`), then
+//!   `lanes` f16 scales `d`, then (Q4_1) `lanes` f16 mins `m`. Same bytes as ggml's blocks,
+//!   reordered.
+//! - Q8_0: 8 vectors (vector `c`, lane `l` = elements `4c..4c + 4` of row `l`), then `lanes`
+//!   f16 scales. AVX-512 stores `q + 128` (unsigned, for `vpdpbusd`); AVX2 keeps `q` signed
+//!   (its `maddubs` would saturate on unsigned bytes up to 255; the sign moves to the
+//!   activations instead, as in ggml).
+//!
+//! The integer block sums are exactly those of ggml's kernels (the offsets of Q4_0 and of
+//! the biased Q8_0 quants are removed with the activation block's integer sum); the float
+//! arithmetic per block is `d_w * d_a * sum (+ m_w * s_a)` as ggml's, summed in a different
+//! order.
+//!
+//! - [`avx2`]: 8 lanes, AVX2 + FMA + F16C.
+//! - [`avx512`]: 16 lanes, AVX-512 F/BW/VL/VNNI.
+
+#![allow(clippy::needless_range_loop)]
+
+use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use super::q8::Q8Block;
+use super::{Isa, QType};
+
+/// Dispatches `$m::group::<R, KIND>(args)` over the runtime row count (1..=4) and weight kind.
+macro_rules! dispatch {
+    ($m:ident, $kind:expr, $rows:expr, $($arg:expr),*) => {
+        match ($kind, $rows) {
+            (1, 4) => $m::group::<4, 1>($($arg),*),
+            (1, 3) => $m::group::<3, 1>($($arg),*),
+            (1, 2) => $m::group::<2, 1>($($arg),*),
+            (1, _) => $m::group::<1, 1>($($arg),*),
+            (0, 4) => $m::group::<4, 0>($($arg),*),
+            (0, 3) => $m::group::<3, 0>($($arg),*),
+            (0, 2) => $m::group::<2, 0>($($arg),*),
+            (0, _) => $m::group::<1, 0>($($arg),*),
+            (_, 4) => $m::group::<4, 8>($($arg),*),
+            (_, 3) => $m::group::<3, 8>($($arg),*),
+            (_, 2) => $m::group::<2, 8>($($arg),*),
+            (_, _) => $m::group::<1, 8>($($arg),*),
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// A weight matrix repacked for one instruction set's kernels.
+pub struct Packed {
+    pub ty: QType,
+    pub n: usize,
+    pub k: usize,
+    /// The kernels these bytes are laid out for (`Avx2` or `Avx512Vnni`).
+    pub isa: Isa,
+    data: Vec<u8>,
+}
+
+/// Rows per group (one per 32-bit lane of the ISA's vectors); `None` where nothing is packed.
+pub fn lanes(isa: Isa) -> Option<usize> {
+    match isa {
+        Isa::Scalar => None,
+        Isa::Avx2 => Some(8),
+        Isa::Avx512Vnni => Some(16),
+    }
+}
+
+/// Bytes of quants per packed block of `lanes` rows.
+fn quant_bytes(ty: QType, lanes: usize) -> usize {
+    match ty {
+        QType::Q8_0 => 8 * 4 * lanes,
+        _ => 4 * 4 * lanes,
+    }
+}
+
+/// Bytes per packed block of `lanes` rows (quants, scales, mins).
+fn block_bytes(ty: QType, lanes: usize) -> usize {
+    quant_bytes(ty, lanes) + 2 * lanes * if ty == QType::Q4_1 { 2 } else { 1 }
+}
+
+/// The weight kinds the kernels are specialised for: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
+fn kind(ty: QType) -> u8 {
+    match ty {
+        QType::Q4_0 => 0,
+        QType::Q4_1 => 1,
+        _ => 8,
+    }
+}
+
+impl Packed {
+    /// Whether matrices of this type and shape can be packed for `isa`.
+    pub fn supports(ty: QType, n: usize, k: usize, isa: Isa) -> bool {
+        let Some(lanes) = lanes(isa) else {
+            return false;
+        };
+        matches!(ty, QType::Q4_0 | QType::Q4_1 | QType::Q8_0)
+            && n.is_multiple_of(lanes)
+            && n > 0
+            && k.is_multiple_of(QK)
+            && isa <= Isa::supported()
+    }
+
+    /// Repacks a ggml `[n, k]` matrix (`data` as in [`super::QMatrix`]) for `isa`.
+    pub fn new(ty: QType, n: usize, k: usize, data: &[u8], isa: Isa) -> Result<Self, String> {
+        if !Self::supports(ty, n, k, isa) {
+            return Err(format!("{ty:?} [{n}, {k}] cannot be packed for {isa:?}"));
+        }
+        let lanes = lanes(isa).expect("supported ISAs pack");
+        let m = super::QMatrix::new(ty, n, k, data)?;
+        let nb = k / QK;
+        let bb = block_bytes(ty, lanes);
+        let qb = quant_bytes(ty, lanes);
+        let v = 4 * lanes;
+        let mut out = vec![0u8; n * nb * bb / lanes];
+        for g in 0..n / lanes {
+            for b in 0..nb {
+                let dst = &mut out[(g * nb + b) * bb..(g * nb + b + 1) * bb];
+                for l in 0..lanes {
+                    let row = g * lanes + l;
+                    let (d, mn, qs): (u16, u16, Vec<u8>) = match ty {
+                        QType::Q4_0 => {
+                            let x = super::cast::<BlockQ4_0>(m.data)[row * nb + b];
+                            (x.d, 0, x.qs.to_vec())
+                        }
+                        QType::Q4_1 => {
+                            let x = super::cast::<BlockQ4_1>(m.data)[row * nb + b];
+                            (x.d, x.m, x.qs.to_vec())
+                        }
+                        _ => {
+                            let x = super::cast::<BlockQ8_0>(m.data)[row * nb + b];
+                            let bias = if isa == Isa::Avx512Vnni { 0x80 } else { 0 };
+                            (x.d, 0, x.qs.iter().map(|&q| (q as u8) ^ bias).collect())
+                        }
+                    };
+                    for c in 0..qs.len() / 4 {
+                        dst[c * v + l * 4..c * v + l * 4 + 4]
+                            .copy_from_slice(&qs[4 * c..4 * c + 4]);
+                    }
+                    dst[qb + 2 * l..qb + 2 * l + 2].copy_from_slice(&d.to_le_bytes());
+                    if ty == QType::Q4_1 {
+                        let o = qb + 2 * lanes + 2 * l;
+                        dst[o..o + 2].copy_from_slice(&mn.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(Self {
+            ty,
+            n,
+            k,
+            isa,
+            data: out,
+        })
+    }
+
+    /// Rows per group.
+    pub fn lanes(&self) -> usize {
+        lanes(self.isa).expect("packed for a SIMD ISA")
+    }
+
+    /// Bytes of one group of `lanes` rows.
+    fn group_bytes(&self) -> usize {
+        self.k / QK * block_bytes(self.ty, self.lanes())
+    }
+
+    /// Output columns `j0..j1` (multiples of the lane count) for all `m` rows of `acts`
+    /// (`m * k / 32` Q8 blocks; Q8_0-style scales, and `s` for Q4_1).
+    ///
+    /// # Safety
+    /// The CPU must support `self.isa`; `out` points to an `m * n` buffer in which no one
+    /// else writes columns `j0..j1`.
+    #[cfg(target_arch = "x86_64")]
+    pub unsafe fn run(&self, acts: &[Q8Block], m: usize, j0: usize, j1: usize, out: *mut f32) {
+        let lanes = self.lanes();
+        debug_assert!(j0.is_multiple_of(lanes) && j1.is_multiple_of(lanes) && j1 <= self.n);
+        let nb = self.k / QK;
+        assert_eq!(acts.len(), m * nb, "activation blocks");
+        let gb = self.group_bytes();
+        let kind = kind(self.ty);
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = (m - r0).min(4);
+            let a = &acts[r0 * nb..];
+            for g in j0 / lanes..j1 / lanes {
+                let w = &self.data[g * gb..(g + 1) * gb];
+                let o = out.add(r0 * self.n + g * lanes);
+                if self.isa == Isa::Avx512Vnni {
+                    dispatch!(avx512, kind, rows, w, nb, a, o, self.n);
+                } else {
+                    dispatch!(avx2, kind, rows, w, nb, a, o, self.n);
+                }
+            }
+            r0 += rows;
+        }
+    }
+}
+
+/// Whether this CPU runs the AVX-512 VNNI kernels.
+pub fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Bytes per packed block of `lanes` rows of weight kind `kind` (for the kernels).
+#[inline(always)]
+fn bytes_per_block(kind: u8, lanes: usize) -> usize {
+    block_bytes(
+        match kind {
+            0 => QType::Q4_0,
+            1 => QType::Q4_1,
+            _ => QType::Q8_0,
+        },
+        lanes,
+    )
+}
