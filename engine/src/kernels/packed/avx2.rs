@@ -6,7 +6,7 @@
 //! Q8_0: the signed quants' sign moves to the activations (`sign`, then `maddubs` of `|w|`),
 //! one `madd` per vector since those pairs fill an `i16`.
 
-use super::{bytes_per_block, Q8Block, QK};
+use super::{Q8Block, QK};
 use std::arch::x86_64::*;
 
 #[inline(always)]
@@ -15,16 +15,16 @@ unsafe fn bcast4(q: &[i8; QK], at: usize) -> __m256i {
 }
 
 /// One group of 8 weight rows against R input rows (`a[r * nb + b]`), written to
-/// `out + r * n`. `KIND`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
+/// `out + r * n`; `bb` bytes per packed block. `KIND`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn group<const R: usize, const KIND: u8>(
     w: &[u8],
     nb: usize,
+    bb: usize,
     a: &[Q8Block],
     out: *mut f32,
     n: usize,
 ) {
-    let bb = bytes_per_block(KIND, 8);
     let mut acc = [_mm256_setzero_ps(); R];
     let low = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);

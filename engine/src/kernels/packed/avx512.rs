@@ -1,7 +1,7 @@
 //! AVX-512 VNNI kernel on weights packed 16 rows per group (layout in [`super`]): a block of
 //! 16 rows costs 8 `vpdpbusd`, one convert and one FMA per input row.
 
-use super::{bytes_per_block, Q8Block, QK};
+use super::{Q8Block, QK};
 use std::arch::x86_64::*;
 
 #[inline(always)]
@@ -10,16 +10,16 @@ unsafe fn bcast4(q: &[i8; QK], at: usize) -> __m512i {
 }
 
 /// One group of 16 weight rows against R input rows (`a[r * nb + b]`), written to
-/// `out + r * n`. `KIND`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
+/// `out + r * n`; `bb` bytes per packed block. `KIND`: 0 = Q4_0, 1 = Q4_1, 8 = Q8_0.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vl,f16c")]
 pub(super) unsafe fn group<const R: usize, const KIND: u8>(
     w: &[u8],
     nb: usize,
+    bb: usize,
     a: &[Q8Block],
     out: *mut f32,
     n: usize,
 ) {
-    let bb = bytes_per_block(KIND, 16);
     let mut acc = [_mm512_setzero_ps(); R];
     let low = _mm512_set1_epi8(0x0F);
     let p = w.as_ptr();

@@ -193,6 +193,7 @@ impl Packed {
         let nb = self.k / QK;
         assert_eq!(acts.len(), m * nb, "activation blocks");
         let gb = self.group_bytes();
+        let bb = gb / nb;
         let kind = kind(self.ty);
         let mut r0 = 0;
         while r0 < m {
@@ -202,9 +203,9 @@ impl Packed {
                 let w = &self.data[g * gb..(g + 1) * gb];
                 let o = out.add(r0 * self.n + g * lanes);
                 if self.isa == Isa::Avx512Vnni {
-                    dispatch!(avx512, kind, rows, w, nb, a, o, self.n);
+                    dispatch!(avx512, kind, rows, w, nb, bb, a, o, self.n);
                 } else {
-                    dispatch!(avx2, kind, rows, w, nb, a, o, self.n);
+                    dispatch!(avx2, kind, rows, w, nb, bb, a, o, self.n);
                 }
             }
             r0 += rows;
@@ -226,17 +227,4 @@ pub fn avx512_available() -> bool {
     {
         false
     }
-}
-
-/// Bytes per packed block of `lanes` rows of weight kind `kind` (for the kernels).
-#[inline(always)]
-fn bytes_per_block(kind: u8, lanes: usize) -> usize {
-    block_bytes(
-        match kind {
-            0 => QType::Q4_0,
-            1 => QType::Q4_1,
-            _ => QType::Q8_0,
-        },
-        lanes,
-    )
 }
