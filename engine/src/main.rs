@@ -107,6 +107,9 @@ struct ProfileArgs {
     /// Largest B to measure (log-spaced grid from 1).
     #[arg(long, default_value_t = 64)]
     max_batch: u32,
+    /// Measure exactly these B (comma-separated, e.g. `1,4`) instead of the log grid.
+    #[arg(long, value_delimiter = ',')]
+    batches: Vec<u32>,
     /// Context tokens already cached for every sequence.
     #[arg(long, default_value_t = 256)]
     context: usize,
@@ -119,6 +122,9 @@ struct ProfileArgs {
     /// Most repetitions per point.
     #[arg(long, default_value_t = 60)]
     max_reps: usize,
+    /// Fewest repetitions per point (raise it with --max-reps for a steady run to profile).
+    #[arg(long, default_value_t = 5)]
+    min_reps: usize,
     /// Also measure the drafter's time per draft call (the table's `draft_points`, which
     /// the dspark policy uses to price drafting): this drafter checkpoint folder (local or
     /// remote like --model)...
@@ -505,14 +511,24 @@ fn profile(a: ProfileArgs) -> Result<()> {
         .map(|d| source::resolve_arg(d, a.cache.clone()))
         .transpose()?
         .map(|d| d.path);
+    if a.batches.contains(&0) {
+        anyhow::bail!("--batches: every B must be at least 1");
+    }
+    let grid = if a.batches.is_empty() {
+        log_grid(a.max_batch.max(1), 2)
+    } else {
+        a.batches.clone()
+    };
+    let max_b = grid.iter().copied().max().unwrap_or(1);
     let opts = ProfileOptions {
-        grid: log_grid(a.max_batch.max(1), 2),
+        grid,
         context: a.context,
         tokens_per_seq: a.tokens_per_seq,
-        max_reps: a.max_reps,
+        min_reps: a.min_reps.max(2),
+        max_reps: a.max_reps.max(a.min_reps),
         ..Default::default()
     };
-    let need = (a.max_batch as usize) * (a.context + a.tokens_per_seq + 16);
+    let need = (max_b as usize) * (a.context + a.tokens_per_seq + 16);
     let dtype = runtime::parse_kv_dtype(&a.kv_cache_dtype)?;
     let kv_bytes =
         need * KvCache::bytes_per_token_as(model.cfg.num_layers, model.cfg.kv_dim(), dtype);

@@ -228,6 +228,7 @@ impl CustomOp3 for PagedAttention {
         let mut out = vec![0f32; t * nh * hd];
         let chunks = self.row_chunks(crate::kernels::pool::global().size());
         let optr = crate::kernels::pool::SharedMut::new(&mut out);
+        let (kc_in, vc_in) = (kc, vc);
         let task = |task: usize| {
             let (si, r0, nr) = chunks[task / nkv];
             let kvh = task % nkv;
@@ -250,16 +251,31 @@ impl CustomOp3 for PagedAttention {
             // Offsets of this kv head's key/value rows for positions lo..hi.
             let mut offs = Vec::with_capacity(len);
             self.for_slots(s, lo, hi, |_, slot| offs.push(slot * nkv * hd + kvh * hd));
-            let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-            let (mut klocal, mut vlocal) = (Vec::new(), Vec::new());
-            let (kc, koffs) = kc.rows(&offs, hd, &mut kbuf, &mut klocal);
-            let (vc, voffs) = vc.rows(&offs, hd, &mut vbuf, &mut vlocal);
             // scores[j * len + i]: query vector j, position lo + i.
             let mut scores = vec![0f32; qv.len() * len];
             let simd = simd::available() && hd.is_multiple_of(32);
+            // The SIMD loops read f16 caches in place (widened in registers); the scalar
+            // fallback reads f32 copies of the rows.
+            let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+            let (mut klocal, mut vlocal) = (Vec::new(), Vec::new());
+            let (kc, koffs) = if simd {
+                (&[][..], &offs[..])
+            } else {
+                kc.rows(&offs, hd, &mut kbuf, &mut klocal)
+            };
+            let (vc, voffs) = if simd {
+                (&[][..], &offs[..])
+            } else {
+                vc.rows(&offs, hd, &mut vbuf, &mut vlocal)
+            };
             if simd {
-                // SAFETY: AVX2/FMA present; offsets index whole rows of the caches.
-                unsafe { simd::scores(&qv, kc, koffs, self.scale, &mut scores) };
+                // SAFETY: AVX2/FMA/F16C present; offsets index whole rows of the caches.
+                unsafe {
+                    match kc_in {
+                        CacheRows::F32(k) => simd::scores(&qv, k, &offs, self.scale, &mut scores),
+                        CacheRows::F16(k) => simd::scores(&qv, k, &offs, self.scale, &mut scores),
+                    }
+                };
             } else {
                 for (i, &off) in koffs.iter().enumerate() {
                     let k = &kc[off..off + hd];
@@ -282,7 +298,12 @@ impl CustomOp3 for PagedAttention {
                 .collect();
             if simd {
                 // SAFETY: as above.
-                unsafe { simd::weighted_sum(&scores, vc, voffs, &mut o) };
+                unsafe {
+                    match vc_in {
+                        CacheRows::F32(v) => simd::weighted_sum(&scores, v, &offs, &mut o),
+                        CacheRows::F16(v) => simd::weighted_sum(&scores, v, &offs, &mut o),
+                    }
+                };
             } else {
                 for (i, &off) in voffs.iter().enumerate() {
                     let v = &vc[off..off + hd];
@@ -333,17 +354,25 @@ impl CacheRows<'_> {
 /// AVX2/FMA inner loops with many independent accumulators (the scalar loops above are
 /// one dependent FMA chain per dot product). Need `head_dim` to be a multiple of 32.
 mod simd {
+    /// AVX2, FMA and F16C (f16 caches are widened in registers).
     pub fn available() -> bool {
-        crate::kernels::vmath::avx2_fma()
+        #[cfg(target_arch = "x86_64")]
+        {
+            crate::kernels::vmath::avx2_fma() && std::arch::is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    pub unsafe fn scores(_: &[&[f32]], _: &[f32], _: &[usize], _: f32, _: &mut [f32]) {
+    pub unsafe fn scores<E>(_: &[&[f32]], _: &[E], _: &[usize], _: f32, _: &mut [f32]) {
         unreachable!("no SIMD attention on this architecture")
     }
 
     #[cfg(not(target_arch = "x86_64"))]
-    pub unsafe fn weighted_sum(_: &[f32], _: &[f32], _: &[usize], _: &mut [&mut [f32]]) {
+    pub unsafe fn weighted_sum<E>(_: &[f32], _: &[E], _: &[usize], _: &mut [&mut [f32]]) {
         unreachable!("no SIMD attention on this architecture")
     }
 
@@ -354,6 +383,28 @@ mod simd {
     #[allow(clippy::needless_range_loop)]
     mod x86 {
         use std::arch::x86_64::*;
+
+        /// A cache element type the loops read 8 at a time as f32 (f16 widened in registers
+        /// by F16C, so an f16 cache is read at half the bytes with no copy).
+        pub trait Elem: Copy {
+            /// # Safety
+            /// `p..p + 8` is readable; the CPU has AVX2 and F16C.
+            unsafe fn load8(p: *const Self) -> __m256;
+        }
+
+        impl Elem for f32 {
+            #[inline(always)]
+            unsafe fn load8(p: *const f32) -> __m256 {
+                _mm256_loadu_ps(p)
+            }
+        }
+
+        impl Elem for half::f16 {
+            #[inline(always)]
+            unsafe fn load8(p: *const half::f16) -> __m256 {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            }
+        }
 
         /// The 8 horizontal sums of `a[0..8]` as one vector (lane j = sum of `a[j]`).
         #[inline(always)]
@@ -374,10 +425,10 @@ mod simd {
         /// (each `hd` long), 8 positions at a time (8 independent accumulators). Positions
         /// are the outer loop, so 8 key rows are read from memory once and from L1 for every
         /// further query vector.
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn scores(
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn scores<E: Elem>(
             q: &[&[f32]],
-            kc: &[f32],
+            kc: &[E],
             offs: &[usize],
             scale: f32,
             scores: &mut [f32],
@@ -387,13 +438,13 @@ mod simd {
             let mut i = 0;
             while i < len {
                 let n = (len - i).min(8);
-                let rows: [*const f32; 8] = std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+                let rows: [*const E; 8] = std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
                 for (g, qg) in q.iter().enumerate() {
                     let mut acc = [_mm256_setzero_ps(); 8];
                     for c in (0..qg.len()).step_by(8) {
                         let qv = _mm256_loadu_ps(qg.as_ptr().add(c));
                         for j in 0..8 {
-                            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j].add(c)), acc[j]);
+                            acc[j] = _mm256_fmadd_ps(qv, E::load8(rows[j].add(c)), acc[j]);
                         }
                     }
                     let sums = _mm256_mul_ps(hsum8(&acc), _mm256_set1_ps(scale));
@@ -414,8 +465,13 @@ mod simd {
         const PASS: usize = 32;
 
         /// `o_j += sum_i w[j * len + i] * v[offs[i]..]` for every output vector `o_j`.
-        #[target_feature(enable = "avx2,fma")]
-        pub unsafe fn weighted_sum(w: &[f32], vc: &[f32], offs: &[usize], o: &mut [&mut [f32]]) {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn weighted_sum<E: Elem>(
+            w: &[f32],
+            vc: &[E],
+            offs: &[usize],
+            o: &mut [&mut [f32]],
+        ) {
             let len = offs.len();
             for p in (0..len).step_by(PASS) {
                 let e = (p + PASS).min(len);
@@ -425,11 +481,11 @@ mod simd {
                     if hd.is_multiple_of(64) {
                         // 8 independent accumulators (64 values) keep both FMA ports busy.
                         for c in (0..hd).step_by(64) {
-                            accumulate::<8>(wj, vc, &offs[p..e], c, oj);
+                            accumulate::<8, E>(wj, vc, &offs[p..e], c, oj);
                         }
                     } else {
                         for c in (0..hd).step_by(32) {
-                            accumulate::<4>(wj, vc, &offs[p..e], c, oj);
+                            accumulate::<4, E>(wj, vc, &offs[p..e], c, oj);
                         }
                     }
                 }
@@ -438,9 +494,9 @@ mod simd {
 
         /// `o[c..c + 8N] += sum_i w[i] * v[offs[i] + c..]`, N vectors in registers.
         #[inline(always)]
-        unsafe fn accumulate<const N: usize>(
+        unsafe fn accumulate<const N: usize, E: Elem>(
             w: &[f32],
-            vc: &[f32],
+            vc: &[E],
             offs: &[usize],
             c: usize,
             o: &mut [f32],
@@ -451,7 +507,7 @@ mod simd {
                 let wv = _mm256_set1_ps(wi);
                 let v = vc.as_ptr().add(off + c);
                 for j in 0..N {
-                    acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v.add(8 * j)), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(wv, E::load8(v.add(8 * j)), acc[j]);
                 }
             }
             for j in 0..N {

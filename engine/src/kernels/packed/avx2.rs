@@ -24,6 +24,7 @@ pub(super) unsafe fn group<const R: usize, const KIND: u8>(
     a: &[Q8Block],
     out: *mut f32,
     n: usize,
+    pf: usize,
 ) {
     let mut acc = [_mm256_setzero_ps(); R];
     let low = _mm256_set1_epi8(0x0F);
@@ -31,6 +32,7 @@ pub(super) unsafe fn group<const R: usize, const KIND: u8>(
     let p = w.as_ptr();
     for b in 0..nb {
         let blk = p.add(b * bb);
+        super::prefetch(blk, bb, pf);
         let mut s = [_mm256_setzero_si256(); R];
         if KIND == 8 {
             for c in 0..8 {

@@ -19,12 +19,14 @@ pub(super) unsafe fn group<const R: usize, const KIND: u8>(
     a: &[Q8Block],
     out: *mut f32,
     n: usize,
+    pf: usize,
 ) {
     let mut acc = [_mm512_setzero_ps(); R];
     let low = _mm512_set1_epi8(0x0F);
     let p = w.as_ptr();
     for b in 0..nb {
         let blk = p.add(b * bb);
+        super::prefetch(blk, bb, pf);
         if KIND == 8 {
             let mut wq = [_mm512_setzero_si512(); 8];
             for (c, v) in wq.iter_mut().enumerate() {

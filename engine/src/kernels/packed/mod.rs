@@ -195,6 +195,7 @@ impl Packed {
         let gb = self.group_bytes();
         let bb = gb / nb;
         let kind = kind(self.ty);
+        let pf = prefetch_distance();
         let mut r0 = 0;
         while r0 < m {
             let rows = (m - r0).min(4);
@@ -203,13 +204,52 @@ impl Packed {
                 let w = &self.data[g * gb..(g + 1) * gb];
                 let o = out.add(r0 * self.n + g * lanes);
                 if self.isa == Isa::Avx512Vnni {
-                    dispatch!(avx512, kind, rows, w, nb, bb, a, o, self.n);
+                    dispatch!(avx512, kind, rows, w, nb, bb, a, o, self.n, pf);
                 } else {
-                    dispatch!(avx2, kind, rows, w, nb, bb, a, o, self.n);
+                    dispatch!(avx2, kind, rows, w, nb, bb, a, o, self.n, pf);
                 }
             }
             r0 += rows;
         }
+    }
+}
+
+/// Bytes ahead of the block being multiplied that the kernels prefetch: 2 KiB by default,
+/// `DSPARK_KERNEL_PREFETCH=BYTES` to change it (0: none).
+///
+/// A decode step streams the whole model once; the hardware prefetchers stop at every 4 KiB
+/// page and restart only after a few misses, and each chunk of a matmul starts a new stream,
+/// so without help a core waits on memory, then computes, instead of both at once. Measured
+/// on a 2-core Xeon (AVX-512 VNNI, model in L3): plain decoding +10-13 %, 4-token verify
+/// steps +15-20 % (docs/benchmarks.md, session 13; 1, 1.5 and 3 KiB did no better).
+pub const PREFETCH_DEFAULT: usize = 2048;
+
+fn prefetch_distance() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PF.get_or_init(|| {
+        std::env::var("DSPARK_KERNEL_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(PREFETCH_DEFAULT)
+    })
+}
+
+/// Prefetches the `len` bytes `dist` bytes after `at` into L1 (nothing when `dist` is 0).
+/// Addresses past the end of the weights are harmless: a prefetch never faults.
+///
+/// # Safety
+/// The CPU must have SSE (every x86-64 CPU does).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch(at: *const u8, len: usize, dist: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if dist == 0 {
+        return;
+    }
+    let mut o = 0;
+    while o < len {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(dist + o) as *const i8);
+        o += 64;
     }
 }
 
