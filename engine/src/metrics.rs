@@ -135,6 +135,8 @@ pub struct Metrics {
     pub draft_skips: Counter,
     /// Steps that ran the model drafter (probes included).
     pub draft_steps: Counter,
+    /// Due probes not run because even a perfect drafter would not pay at that load.
+    pub draft_skipped_probes: Counter,
     /// Calls into model-drafter code (context feeds and drafts).
     pub drafter_calls: Counter,
     pub spec_draft_tokens: Counter,
@@ -205,6 +207,7 @@ impl Metrics {
             spec_drafts: Counter::default(),
             draft_skips: Counter::default(),
             draft_steps: Counter::default(),
+            draft_skipped_probes: Counter::default(),
             drafter_calls: Counter::default(),
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
@@ -335,6 +338,11 @@ impl Metrics {
             "dspark_spec_decode_draft_steps",
             "Steps that ran the model drafter, probes included",
             m.draft_steps.clone(),
+        );
+        r.register(
+            "dspark_spec_decode_skipped_probes",
+            "Due probes of the drafter not run: even a drafter that is never wrong would not pay at that load",
+            m.draft_skipped_probes.clone(),
         );
         r.register(
             "dspark_spec_decode_drafter_calls",

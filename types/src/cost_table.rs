@@ -243,7 +243,11 @@ impl CostTable {
         Ok(())
     }
 
-    /// SPS at `b` tokens: linear interpolation in log(B) between points; below the first
+    /// SPS at `b` tokens: between two points the step TIME is linear in B (each extra token
+    /// costs the same, as it does within a measured interval), so the token throughput
+    /// `B * SPS(B)` between them lies between theirs and never shows a bump the measurements
+    /// do not (interpolating SPS itself, e.g. in log B, invents throughput between points
+    /// that makes a planner draft where even a perfect drafter cannot pay); below the first
     /// point the first value; beyond the last point the token throughput stays at the last
     /// point's (`SPS(B) = SPS(B_max) * B_max / B`), which is the conservative reading.
     pub fn sps(&self, b: u32) -> f64 {
@@ -260,8 +264,8 @@ impl CostTable {
         let i = pts.partition_point(|&(pb, _)| pb <= b);
         let (xa, ya) = pts[i - 1];
         let (xb, yb) = pts[i];
-        let t = ((b as f64).ln() - (xa as f64).ln()) / ((xb as f64).ln() - (xa as f64).ln());
-        ya + t * (yb - ya)
+        let t = (b - xa) as f64 / (xb - xa) as f64;
+        1.0 / (1.0 / ya + t * (1.0 / yb - 1.0 / ya))
     }
 
     /// A stable digest of the measured content (FNV-1a over the compact JSON), used to tell
@@ -413,12 +417,24 @@ mod tests {
     }
 
     #[test]
-    fn interpolates_in_log_b_and_extrapolates_conservatively() {
+    fn interpolates_step_time_and_extrapolates_conservatively() {
         let t = table(vec![(1, 100.0), (4, 50.0), (16, 20.0)]);
         assert_eq!(t.sps(1), 100.0);
+        // Step time 10 ms at B = 1, 20 ms at B = 4: 13.3 ms at B = 2.
         assert!((t.sps(2) - 75.0).abs() < 1e-9);
+        assert!((t.sps(10) - 1.0 / 0.035).abs() < 1e-9);
         assert_eq!(t.sps(16), 20.0);
         assert!((t.sps(32) - 10.0).abs() < 1e-9);
+        // A table measured from `SPS = 100 / B` (every token costs a whole step) reads back
+        // exactly between its points: no throughput that was not measured.
+        let steep = table(
+            (0..8)
+                .map(|i| (1u32 << i, 100.0 / (1u32 << i) as f64))
+                .collect(),
+        );
+        for b in 1..=128u32 {
+            assert!((b as f64 * steep.sps(b) - 100.0).abs() < 1e-9, "B = {b}");
+        }
     }
 
     #[test]
@@ -442,6 +458,14 @@ mod tests {
             let t = table(sps.into_iter().enumerate().map(|(i, s)| (1u32 << i, s)).collect());
             t.validate().unwrap();
             prop_assert!(t.sps(b) >= t.sps(b + 1) - 1e-9);
+            // Between two points the token throughput lies between theirs.
+            let pts = &t.points;
+            if let Some(i) = pts.iter().position(|&(pb, _)| pb > b).filter(|&i| i > 0) {
+                let (lo, hi) = (pts[i - 1], pts[i]);
+                let (ta, tb) = (lo.0 as f64 * lo.1, hi.0 as f64 * hi.1);
+                let tok = b as f64 * t.sps(b);
+                prop_assert!(tok <= ta.max(tb) * (1.0 + 1e-9) && tok >= ta.min(tb) * (1.0 - 1e-9));
+            }
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use super::dspark::{ContextFeed, DSparkDrafter, DraftRequest, ProposeOptions};
 use super::recalibrate::OnlineCalibration;
-use super::scheduler::{plan_drafts, predicted_survival};
+use super::scheduler::{plan_drafts, predicted_survival, probe_pays};
 use super::{is_greedy, ngram, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
 use crate::cost::ActiveTable;
 use crate::kv::KvCache;
@@ -454,6 +454,20 @@ impl Speculator {
                 self.skips_in_row += 1;
                 self.metrics.draft_skips.inc();
                 if self.skips_in_row < DRAFT_PROBE {
+                    return Ok(());
+                }
+                // A probe is priced like any draft: where even a drafter that is never
+                // wrong would not pay at this load, it cannot change the decision. The
+                // count keeps growing, so the probe runs as soon as the load allows it.
+                if !probe_pays(
+                    &caps,
+                    shape.base_b,
+                    shape.max_b,
+                    &|b| table.sps(b),
+                    &|n, l| clock.predict(table, n, l),
+                    PLAN_MARGIN,
+                ) {
+                    self.metrics.draft_skipped_probes.inc();
                     return Ok(());
                 }
                 // Probe: the eligible sequence whose drafter context is cheapest to bring up
