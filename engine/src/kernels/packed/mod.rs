@@ -219,9 +219,8 @@ impl Packed {
 ///
 /// A decode step streams the whole model once; the hardware prefetchers stop at every 4 KiB
 /// page and restart only after a few misses, and each chunk of a matmul starts a new stream,
-/// so without help a core waits on memory, then computes, instead of both at once. Measured
-/// on a 2-core Xeon (AVX-512 VNNI, model in L3): plain decoding +10-13 %, 4-token verify
-/// steps +15-20 % (docs/benchmarks.md, session 13; 1, 1.5 and 3 KiB did no better).
+/// so without help a core waits on memory, then computes, instead of both at once (the
+/// distance and what it gains are measured in docs/benchmarks.md).
 pub const PREFETCH_DEFAULT: usize = 2048;
 
 fn prefetch_distance() -> usize {
