@@ -237,10 +237,14 @@ def spec_board():
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_draft_steps_total{{{ENGINE}}}[{RI}]))",
          "drafting steps {{model_name}} {{pool}}"),
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_drafter_calls_total{{{ENGINE}}}[{RI}]))",
-         "drafter calls {{model_name}} {{pool}}")],
+         "drafter calls {{model_name}} {{pool}}"),
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_skipped_probes_total{{{ENGINE}}}[{RI}]))",
+         "probes priced out {{model_name}} {{pool}}")],
         description="dspark_spec_decode_draft_steps_total: steps whose drafting plan ran the model "
         "drafter (probes included); dspark_spec_decode_drafter_calls_total: context feeds and "
-        "drafts the drafter counted. A step that drafts nothing makes no call.")
+        "drafts the drafter counted. A step that drafts nothing makes no call. "
+        "dspark_spec_decode_skipped_probes_total: due probes not run because even a drafter "
+        "that is never wrong would not pay at that load.")
     b.row("Online policy experiment (serve --policy-experiment)")
     b.panel("Committed tokens / s per arm (while in force)", [
         (f"sum by (model_name, policy) (rate(dspark_experiment_tokens_total{{{ENGINE}}}[{RI}]))"
