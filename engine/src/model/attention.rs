@@ -228,7 +228,6 @@ impl CustomOp3 for PagedAttention {
         let mut out = vec![0f32; t * nh * hd];
         let chunks = self.row_chunks(crate::kernels::pool::global().size());
         let optr = crate::kernels::pool::SharedMut::new(&mut out);
-        let (kc_in, vc_in) = (kc, vc);
         let task = |task: usize| {
             let (si, r0, nr) = chunks[task / nkv];
             let kvh = task % nkv;
@@ -256,27 +255,17 @@ impl CustomOp3 for PagedAttention {
             let simd = simd::available() && hd.is_multiple_of(32);
             // The SIMD loops read f16 caches in place (widened in registers); the scalar
             // fallback reads f32 copies of the rows.
-            let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-            let (mut klocal, mut vlocal) = (Vec::new(), Vec::new());
-            let (kc, koffs) = if simd {
-                (&[][..], &offs[..])
-            } else {
-                kc.rows(&offs, hd, &mut kbuf, &mut klocal)
-            };
-            let (vc, voffs) = if simd {
-                (&[][..], &offs[..])
-            } else {
-                vc.rows(&offs, hd, &mut vbuf, &mut vlocal)
-            };
+            let (mut buf, mut local) = (Vec::new(), Vec::new());
             if simd {
                 // SAFETY: AVX2/FMA/F16C present; offsets index whole rows of the caches.
                 unsafe {
-                    match kc_in {
+                    match kc {
                         CacheRows::F32(k) => simd::scores(&qv, k, &offs, self.scale, &mut scores),
                         CacheRows::F16(k) => simd::scores(&qv, k, &offs, self.scale, &mut scores),
                     }
                 };
             } else {
+                let (kc, koffs) = kc.rows(&offs, hd, &mut buf, &mut local);
                 for (i, &off) in koffs.iter().enumerate() {
                     let k = &kc[off..off + hd];
                     for (j, qj) in qv.iter().enumerate() {
@@ -299,12 +288,13 @@ impl CustomOp3 for PagedAttention {
             if simd {
                 // SAFETY: as above.
                 unsafe {
-                    match vc_in {
+                    match vc {
                         CacheRows::F32(v) => simd::weighted_sum(&scores, v, &offs, &mut o),
                         CacheRows::F16(v) => simd::weighted_sum(&scores, v, &offs, &mut o),
                     }
                 };
             } else {
+                let (vc, voffs) = vc.rows(&offs, hd, &mut buf, &mut local);
                 for (i, &off) in voffs.iter().enumerate() {
                     let v = &vc[off..off + hd];
                     for (j, oj) in o.iter_mut().enumerate() {
