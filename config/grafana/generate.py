@@ -200,9 +200,9 @@ def spec_board():
         (f"sum by (model_name, position) (rate(dspark_spec_decode_num_accepted_tokens_per_pos_total{{{ENGINE}}}[{RI}]))"
          f" / ignoring(position) group_left sum by (model_name) (rate(dspark_spec_decode_num_drafts_total{{{ENGINE}}}[{RI}]))",
          "position {{position}}")], unit="percentunit", decimals=2,
-        description="Accepted tokens at draft position i per draft (dspark_spec_decode_num_accepted_"
-        "tokens_per_pos_total / dspark_spec_decode_num_drafts_total). A position appears once a "
-        "token there was accepted.")
+        description="Accepted tokens at draft position i per draft "
+        "(dspark_spec_decode_num_accepted_tokens_per_pos_total / "
+        "dspark_spec_decode_num_drafts_total). A position appears once a token there was accepted.")
     b.panel("Live acceptance estimate by position (scheduler)", [
         (f"avg by (model_name, position) (dspark_spec_decode_live_acceptance_rate{{{ENGINE}}})",
          "position {{position}}")], unit="percentunit", decimals=2,

@@ -6,8 +6,9 @@ use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router;
 use dspark_engine::source;
-use dspark_engine::speculative::{Speculation, VerifyPolicy};
+use dspark_engine::speculative::{PolicyKind, Speculation, VerifyPolicy};
 use dspark_engine::VERSION;
+use dspark_types::contract::{env as cenv, flags, ports};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -49,11 +50,11 @@ struct FetchArgs {
     source: String,
     /// The cache folder (shared by replicas; default DSPARK_MODEL_CACHE, $HF_HOME/hub or
     /// ~/.cache/huggingface/hub).
-    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
     /// On failure, also write the error here (at most 4096 bytes): a Kubernetes init
     /// container's termination message, which the operator shows as ModelAvailable=False.
-    #[arg(long)]
+    #[arg(long = flags::TERMINATION_LOG)]
     termination_log: Option<PathBuf>,
 }
 
@@ -83,19 +84,19 @@ struct ReportArgs {
 struct ProfileArgs {
     /// A GGUF file or a Hugging Face model folder, or a remote source (hf://, s3://,
     /// https://; see `fetch`).
-    #[arg(long, env = "DSPARK_MODEL")]
+    #[arg(long = flags::MODEL, env = cenv::MODEL)]
     model: String,
     /// The cache folder for remote sources (see `fetch --cache`).
-    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
     /// Where to write the table (default: stdout).
-    #[arg(long)]
+    #[arg(long = flags::OUTPUT)]
     output: Option<PathBuf>,
     /// One-line JSON of at most 4096 bytes (fits a container termination message).
-    #[arg(long)]
+    #[arg(long = flags::COMPACT)]
     compact: bool,
     /// Node type recorded in the table (e.g. the node-type label of the pool).
-    #[arg(long, env = "DSPARK_NODE_TYPE")]
+    #[arg(long = flags::NODE_TYPE, env = cenv::NODE_TYPE)]
     node_type: Option<String>,
     /// Drafter id recorded in the table.
     #[arg(long)]
@@ -117,7 +118,7 @@ struct ProfileArgs {
     #[arg(long, default_value_t = 4)]
     tokens_per_seq: usize,
     /// KV cache element type, as `serve --kv-cache-dtype` (profile what you serve).
-    #[arg(long, default_value = "f16", env = "DSPARK_KV_CACHE_DTYPE")]
+    #[arg(long, default_value = "f16", env = cenv::KV_CACHE_DTYPE)]
     kv_cache_dtype: String,
     /// Most repetitions per point.
     #[arg(long, default_value_t = 60)]
@@ -128,10 +129,10 @@ struct ProfileArgs {
     /// Also measure the drafter's time per draft call (the table's `draft_points`, which
     /// the dspark policy uses to price drafting): this drafter checkpoint folder (local or
     /// remote like --model)...
-    #[arg(long)]
+    #[arg(long = flags::DRAFTER)]
     drafter: Option<String>,
     /// ...of this kind (parallel | dspark-markov | dspark-rnn; default: the checkpoint's head).
-    #[arg(long)]
+    #[arg(long = flags::SPECULATION)]
     speculation: Option<String>,
     /// Largest number of drafting sequences to measure (default: --max-batch).
     #[arg(long)]
@@ -142,14 +143,14 @@ struct ProfileArgs {
 struct ServeArgs {
     /// A GGUF file or a Hugging Face model folder, or a remote source fetched into --cache
     /// first: hf://ORG/REPO[@REVISION][/FILE], s3://BUCKET/KEY, https://URL.
-    #[arg(long, env = "DSPARK_MODEL")]
+    #[arg(long = flags::MODEL, env = cenv::MODEL)]
     model: String,
     /// The cache folder for remote sources (see `fetch --cache`).
-    #[arg(long, env = "DSPARK_MODEL_CACHE")]
+    #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long = flags::HOST, default_value = "127.0.0.1")]
     host: String,
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long = flags::PORT, default_value_t = ports::HTTP)]
     port: u16,
     /// Name clients use in the `model` field (the alias `default` always works).
     #[arg(long)]
@@ -165,7 +166,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 16)]
     kv_block_size: usize,
     /// KV cache element type: f16 (half the memory and attention reads) or f32.
-    #[arg(long, default_value = "f16", env = "DSPARK_KV_CACHE_DTYPE")]
+    #[arg(long, default_value = "f16", env = cenv::KV_CACHE_DTYPE)]
     kv_cache_dtype: String,
     /// Longest prompt + completion (default: the model's context, capped by the KV budget).
     #[arg(long)]
@@ -180,32 +181,32 @@ struct ServeArgs {
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
     /// On SIGTERM, how long in-flight requests may finish before the process exits.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long = flags::DRAIN_TIMEOUT_SECS, default_value_t = 30)]
     drain_timeout_secs: u64,
     /// Drafter for speculative decoding: none | ngram (prompt lookup) | parallel (DFlash
     /// baseline) | dspark-markov | dspark-rnn.
-    #[arg(long, default_value = "none")]
+    #[arg(long = flags::SPECULATION, default_value = "none")]
     speculation: String,
     /// DSpark drafter checkpoint folder (config.json + model.safetensors), local or remote
     /// like --model. Without it, the model drafters start untrained (random weights).
-    #[arg(long)]
+    #[arg(long = flags::DRAFTER)]
     drafter: Option<String>,
     /// How many draft tokens each request verifies: fixed (always gamma) | threshold
     /// (the prefix whose survival stays above --threshold) | dspark (the load-aware
     /// scheduler maximising tau * SPS(B) with the cost table).
-    #[arg(long, env = "DSPARK_POLICY", default_value = "fixed")]
+    #[arg(long = flags::POLICY, env = cenv::POLICY, default_value = "fixed")]
     policy: String,
     /// Draft block size (the longest block the scheduler may verify).
-    #[arg(long, env = "DSPARK_GAMMA", default_value_t = 4)]
+    #[arg(long, env = cenv::GAMMA, default_value_t = 4)]
     gamma: usize,
     /// Survival threshold of the threshold policy.
-    #[arg(long, env = "DSPARK_THRESHOLD", default_value_t = 0.5)]
+    #[arg(long, env = cenv::THRESHOLD, default_value_t = 0.5)]
     threshold: f32,
     /// Online recalibration of a model drafter's confidences from verify outcomes: the SGD
     /// step of a per-position scale and offset on the logit, on top of STS, per decoding
     /// mode (0: off). Keeps the threshold and dspark policies honest on traffic unlike the
     /// calibration data.
-    #[arg(long, env = "DSPARK_ONLINE_CALIBRATION", default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
+    #[arg(long, env = cenv::ONLINE_CALIBRATION, default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
     online_calibration: f32,
     /// Turn off automatic prefix caching (full prompt blocks shared by content between
     /// requests and kept after them until the cache needs the room).
@@ -215,24 +216,24 @@ struct ServeArgs {
     /// window (comma list of dspark, none, fixed:G, threshold:T; e.g. dspark,none). Needs a
     /// drafter (--speculation). Results: /metrics (dspark_experiment_*), GET /experiment,
     /// `dspark-engine experiment-report`.
-    #[arg(long, env = "DSPARK_POLICY_EXPERIMENT")]
+    #[arg(long, env = cenv::POLICY_EXPERIMENT)]
     policy_experiment: Option<String>,
     /// Seconds per experiment window.
-    #[arg(long, env = "DSPARK_EXPERIMENT_WINDOW", default_value_t = 30.0)]
+    #[arg(long, env = cenv::EXPERIMENT_WINDOW, default_value_t = 30.0)]
     experiment_window: f64,
     /// SPS(B) cost table (JSON from `dspark-engine profile`), hot-reloaded when it changes.
     /// Without one the built-in conservative default is used until one is pushed.
-    #[arg(long, env = "DSPARK_COST_TABLE")]
+    #[arg(long = flags::COST_TABLE, env = cenv::COST_TABLE)]
     cost_table: Option<PathBuf>,
     /// Without --cost-table, measure SPS(B) on this machine at start-up (a few seconds) for
     /// the dspark policy instead of starting on the built-in default table.
     #[arg(long, env = "DSPARK_STARTUP_PROFILE", default_value_t = true, action = clap::ArgAction::Set)]
     startup_profile: bool,
     /// Port of the admin API (cost-table push, state), on --host; needs a token.
-    #[arg(long)]
+    #[arg(long = flags::ADMIN_PORT)]
     admin_port: Option<u16>,
     /// File holding the admin API's bearer token (else the DSPARK_ADMIN_TOKEN variable).
-    #[arg(long)]
+    #[arg(long = flags::ADMIN_TOKEN_FILE)]
     admin_token_file: Option<PathBuf>,
 }
 
@@ -363,14 +364,17 @@ fn serve(a: ServeArgs) -> Result<()> {
         "--online-calibration must be a step between 0 (off) and 1, got {}",
         a.online_calibration
     );
-    let policy = match a.policy.as_str() {
-        "fixed" => VerifyPolicy::Fixed { gamma: a.gamma },
-        "threshold" => VerifyPolicy::Threshold {
+    let policy = match PolicyKind::parse(&a.policy) {
+        Some(PolicyKind::Fixed) => VerifyPolicy::Fixed { gamma: a.gamma },
+        Some(PolicyKind::Threshold) => VerifyPolicy::Threshold {
             gamma: a.gamma,
             threshold: a.threshold,
         },
-        "dspark" => VerifyPolicy::Dspark { gamma: a.gamma },
-        other => anyhow::bail!("unknown --policy '{other}'; use fixed, threshold or dspark"),
+        Some(PolicyKind::Dspark) => VerifyPolicy::Dspark { gamma: a.gamma },
+        None => anyhow::bail!(
+            "unknown --policy '{}'; use fixed, threshold or dspark",
+            a.policy
+        ),
     };
     anyhow::ensure!(
         (0.0..=1.0).contains(&a.threshold),
@@ -578,7 +582,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
         .with_context(|| {
             format!(
                 "--speculation {} has no model drafter to profile",
-                spec.name()
+                spec.flag()
             )
         })?;
         let opts = dspark_engine::profile::DraftProfileOptions {

@@ -1,5 +1,7 @@
-//! The engine's Prometheus metrics (`dspark_` names; vLLM's set where one exists).
+//! The engine's Prometheus metrics (`dspark_` names; vLLM's set where one exists). The family
+//! names are the operator contract's (`dspark_types::contract::metrics`).
 
+use dspark_types::contract::metrics as fam;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -234,219 +236,207 @@ impl Metrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
+        r.register(fam::TTFT.name, "Time to first token", m.ttft.clone());
+        r.register(fam::ITL.name, "Time between output tokens", m.itl.clone());
+        r.register(fam::E2E.name, "End-to-end request latency", m.e2e.clone());
         r.register(
-            "dspark_time_to_first_token_seconds",
-            "Time to first token",
-            m.ttft.clone(),
-        );
-        r.register(
-            "dspark_inter_token_latency_seconds",
-            "Time between output tokens",
-            m.itl.clone(),
-        );
-        r.register(
-            "dspark_e2e_request_latency_seconds",
-            "End-to-end request latency",
-            m.e2e.clone(),
-        );
-        r.register(
-            "dspark_request_queue_time_seconds",
+            fam::QUEUE_TIME.name,
             "Time spent waiting for admission",
             m.queue_time.clone(),
         );
         r.register(
-            "dspark_num_requests_running",
+            fam::RUNNING.name,
             "Requests in the running batch",
             m.running.clone(),
         );
         r.register(
-            "dspark_num_requests_waiting",
+            fam::WAITING.name,
             "Requests waiting for admission",
             m.waiting.clone(),
         );
         r.register(
-            "dspark_kv_cache_usage_ratio",
+            fam::KV_USAGE.name,
             "Fraction of KV cache blocks in use",
             m.kv_usage.clone(),
         );
         r.register(
-            "dspark_prefix_cache_queries",
+            fam::PREFIX_QUERIES.name,
             "Prompt tokens looked up in the prefix cache",
             m.prefix_queries.clone(),
         );
         r.register(
-            "dspark_prefix_cache_hits",
+            fam::PREFIX_HITS.name,
             "Prompt tokens found in the prefix cache (not prefilled)",
             m.prefix_hits.clone(),
         );
         r.register(
-            "dspark_prefix_cache_blocks",
+            fam::PREFIX_BLOCKS.name,
             "KV blocks registered in the prefix cache (in use or kept for reuse)",
             m.prefix_blocks.clone(),
         );
         r.register(
-            "dspark_prefix_cache_evictions",
+            fam::PREFIX_EVICTIONS.name,
             "Cached prefix blocks evicted to make room",
             m.prefix_evictions.clone(),
         );
         r.register(
-            "dspark_prompt_tokens",
+            fam::PROMPT_TOKENS.name,
             "Prompt tokens processed",
             m.prompt_tokens.clone(),
         );
         r.register(
-            "dspark_generation_tokens",
+            fam::GENERATION_TOKENS.name,
             "Tokens generated",
             m.generation_tokens.clone(),
         );
         r.register(
-            "dspark_request_success",
+            fam::REQUEST_SUCCESS.name,
             "Finished requests by finish reason",
             m.request_success.clone(),
         );
         r.register(
-            "dspark_requests_rejected",
+            fam::REQUESTS_REJECTED.name,
             "Requests refused because the admission queue was full",
             m.requests_rejected.clone(),
         );
         r.register(
-            "dspark_batch_tokens",
+            fam::BATCH_TOKENS.name,
             "Tokens (B) in each target forward",
             m.batch_tokens.clone(),
         );
         r.register(
-            "dspark_engine_steps",
+            fam::STEPS.name,
             "Engine steps (target forwards)",
             m.steps.clone(),
         );
         r.register(
-            "dspark_num_preemptions",
+            fam::PREEMPTIONS.name,
             "Sequences preempted for lack of KV blocks",
             m.preemptions.clone(),
         );
         r.register(
-            "dspark_spec_decode_num_drafts",
+            fam::SPEC_DRAFTS.name,
             "Draft blocks proposed",
             m.spec_drafts.clone(),
         );
         r.register(
-            "dspark_spec_decode_draft_skipped_steps",
+            fam::DRAFT_SKIPPED_STEPS.name,
             "Steps where the dspark policy did not run the model drafter (expected not to pay)",
             m.draft_skips.clone(),
         );
         r.register(
-            "dspark_spec_decode_draft_steps",
+            fam::DRAFT_STEPS.name,
             "Steps that ran the model drafter, probes included",
             m.draft_steps.clone(),
         );
         r.register(
-            "dspark_spec_decode_skipped_probes",
+            fam::SKIPPED_PROBES.name,
             "Due probes of the drafter not run: even a drafter that is never wrong would not pay at that load",
             m.draft_skipped_probes.clone(),
         );
         r.register(
-            "dspark_spec_decode_drafter_calls",
+            fam::DRAFTER_CALLS.name,
             "Calls into model-drafter code (context feeds and drafts); none in a step that drafts nothing",
             m.drafter_calls.clone(),
         );
         r.register(
-            "dspark_spec_decode_num_draft_tokens",
+            fam::SPEC_DRAFT_TOKENS.name,
             "Draft tokens verified",
             m.spec_draft_tokens.clone(),
         );
         r.register(
-            "dspark_spec_decode_num_accepted_tokens",
+            fam::SPEC_ACCEPTED_TOKENS.name,
             "Draft tokens accepted",
             m.spec_accepted_tokens.clone(),
         );
         r.register(
-            "dspark_spec_decode_num_accepted_tokens_per_pos",
+            fam::SPEC_ACCEPTED_PER_POS.name,
             "Draft tokens accepted per position",
             m.spec_accepted_per_pos.clone(),
         );
         r.register(
-            "dspark_spec_decode_verify_length",
+            fam::VERIFY_LENGTH.name,
             "Draft tokens sent to verification per request per step",
             m.verify_len.clone(),
         );
         r.register(
-            "dspark_scheduler_expected_tokens",
+            fam::EXPECTED_TOKENS.name,
             "Expected committed tokens (tau) of planned steps, from calibrated confidences",
             m.expected_tokens.clone(),
         );
         r.register(
-            "dspark_scheduler_committed_tokens",
+            fam::COMMITTED_TOKENS.name,
             "Tokens actually committed by planned steps (realised tau)",
             m.committed_tokens.clone(),
         );
         r.register(
-            "dspark_scheduler_theta",
+            fam::THETA.name,
             "tau * SPS(B) of the last scheduled step",
             m.theta.clone(),
         );
         r.register(
-            "dspark_cost_table_revision",
+            fam::COST_TABLE_REVISION.name,
             "Revision of the SPS(B) cost table in force (0 = built-in default)",
             m.cost_table_revision.clone(),
         );
         r.register(
-            "dspark_cost_table_source",
+            fam::COST_TABLE_SOURCE.name,
             "1 for where the cost table in force came from (default, file, admin)",
             m.cost_table_source.clone(),
         );
         r.register(
-            "dspark_cost_table_refusals",
+            fam::COST_TABLE_REFUSALS.name,
             "Cost tables refused (malformed, non-monotone, incompatible)",
             m.cost_table_refusals.clone(),
         );
         r.register(
-            "dspark_spec_decode_live_acceptance_rate",
+            fam::LIVE_ACCEPTANCE.name,
             "Live conditional acceptance rate per draft position (decayed)",
             m.live_acceptance.clone(),
         );
         r.register(
-            "dspark_spec_decode_calibration_offset",
+            fam::CALIBRATION_OFFSET.name,
             "Online logit offset on the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
             m.calibration_offset.clone(),
         );
         r.register(
-            "dspark_spec_decode_calibration_scale",
+            fam::CALIBRATION_SCALE.name,
             "Online scale on the logit of the drafter's calibrated confidence per decoding mode and draft position (serve --online-calibration)",
             m.calibration_scale.clone(),
         );
         let e = &m.experiment;
         r.register(
-            "dspark_experiment_active",
+            fam::EXPERIMENT_ACTIVE.name,
             "1 for the policy experiment's arm in force (serve --policy-experiment)",
             e.active.clone(),
         );
         r.register(
-            "dspark_experiment_tokens",
+            fam::EXPERIMENT_TOKENS.name,
             "Tokens committed to requests while each experiment arm was in force",
             e.tokens.clone(),
         );
         r.register(
-            "dspark_experiment_seconds",
+            fam::EXPERIMENT_SECONDS.name,
             "Wall seconds each experiment arm was in force",
             e.seconds.clone(),
         );
         r.register(
-            "dspark_experiment_running_seconds",
+            fam::EXPERIMENT_RUNNING_SECONDS.name,
             "Integral of running requests over time per experiment arm (tokens / this = per-user tok/s; this / seconds = mean load)",
             e.running_seconds.clone(),
         );
         r.register(
-            "dspark_experiment_windows",
+            fam::EXPERIMENT_WINDOWS.name,
             "Finished experiment windows per arm",
             e.windows.clone(),
         );
         r.register(
-            "dspark_experiment_time_to_first_token_seconds",
+            fam::EXPERIMENT_TTFT.name,
             "Time to first token of tokens emitted under each experiment arm",
             e.ttft.clone(),
         );
         r.register(
-            "dspark_experiment_inter_token_latency_seconds",
+            fam::EXPERIMENT_ITL.name,
             "Inter-token latency under each experiment arm",
             e.itl.clone(),
         );
@@ -457,5 +447,55 @@ impl Metrics {
         let mut s = String::new();
         encode(&mut s, &self.registry).expect("metrics encode into a String");
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// The registry exposes exactly the contract's engine families, each with its type: a
+    /// family added here without the contract (or the reverse) fails, and so would a
+    /// dashboard or the operator's parser reading a name the engine does not expose.
+    #[test]
+    fn the_registry_is_the_contract() {
+        let m = Metrics::new("m");
+        // Labelled families show up once they have a series.
+        let pos = PositionLabel { position: 0 };
+        let mode = ModePositionLabel {
+            mode: "greedy".into(),
+            position: 0,
+        };
+        let arm = ExperimentMetrics::label("dspark");
+        m.request_success.get_or_create(&FinishLabel {
+            finished_reason: "stop".into(),
+        });
+        m.spec_accepted_per_pos.get_or_create(&pos);
+        m.cost_table_source.get_or_create(&SourceLabel {
+            source: "default".into(),
+        });
+        m.live_acceptance.get_or_create(&pos);
+        m.calibration_offset.get_or_create(&mode);
+        m.calibration_scale.get_or_create(&mode);
+        let e = &m.experiment;
+        e.active.get_or_create(&arm);
+        e.tokens.get_or_create(&arm);
+        e.seconds.get_or_create(&arm);
+        e.running_seconds.get_or_create(&arm);
+        e.windows.get_or_create(&arm);
+        e.ttft.get_or_create(&arm);
+        e.itl.get_or_create(&arm);
+        let text = m.render();
+        let exposed: BTreeMap<&str, &str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| l.split_once(' ').expect("# TYPE name kind"))
+            .collect();
+        let contract: BTreeMap<&str, &str> = fam::ENGINE
+            .iter()
+            .map(|f| (f.name, f.kind.type_word()))
+            .collect();
+        assert_eq!(exposed, contract);
     }
 }

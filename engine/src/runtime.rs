@@ -214,7 +214,7 @@ pub fn build_drafter(
                     "{}: drafter head is {:?} but --speculation {} needs {:?}",
                     p.display(),
                     d.config().markov_head_type,
-                    speculation.name(),
+                    speculation.flag(),
                     head
                 );
             }
@@ -238,7 +238,7 @@ pub fn build_drafter(
         None => {
             tracing::warn!(
                 "--speculation {} without --drafter: using an UNTRAINED random drafter (lossless, but it will rarely be accepted)",
-                speculation.name()
+                speculation.flag()
             );
             let cfg = DSparkDrafter::default_config(model, head, gamma.max(1));
             DSparkDrafter::random(model, cfg, 0)?
@@ -378,7 +378,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         target_model_id: model.id.clone(),
         device: device_name(&model.device),
         costs,
-        speculation: opts.engine.speculation.name().to_string(),
+        speculation: opts.engine.speculation.flag().to_string(),
         policy: match &opts.engine.experiment {
             Some((arms, _)) => format!(
                 "experiment:{}",

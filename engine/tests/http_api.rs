@@ -503,7 +503,7 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
             .unwrap()
             .json()
             .unwrap();
-        assert_eq!(r["speculation"], speculation.name());
+        assert_eq!(r["speculation"], speculation.flag());
         let m = metrics_text(&s);
         assert!(metric(&m, "dspark_spec_decode_num_draft_tokens_total") > 0.0);
     }

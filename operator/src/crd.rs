@@ -6,6 +6,7 @@
 //! evaluated client-side in the unit tests, so the committed samples are checked without a
 //! cluster.
 
+use dspark_types::{PolicyKind, Speculation as EngineSpeculation};
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
@@ -513,14 +514,19 @@ pub enum SchedulerPolicy {
 }
 
 impl SchedulerPolicy {
-    /// The engine's `--policy` value, if any.
-    pub fn engine_flag(self) -> Option<&'static str> {
+    /// The engine's policy, if any (the contract spells its `--policy` value).
+    pub fn engine_policy(self) -> Option<PolicyKind> {
         match self {
             Self::None => None,
-            Self::Fixed => Some("fixed"),
-            Self::Threshold => Some("threshold"),
-            Self::Dspark => Some("dspark"),
+            Self::Fixed => Some(PolicyKind::Fixed),
+            Self::Threshold => Some(PolicyKind::Threshold),
+            Self::Dspark => Some(PolicyKind::Dspark),
         }
+    }
+
+    /// The engine's `--policy` value, if any.
+    pub fn engine_flag(self) -> Option<&'static str> {
+        self.engine_policy().map(PolicyKind::flag)
     }
 }
 
@@ -583,14 +589,20 @@ pub enum Speculation {
 }
 
 impl Speculation {
-    pub fn engine_flag(self) -> &'static str {
+    /// The engine's drafter kind (the contract spells its `--speculation` value).
+    pub fn engine_kind(self) -> EngineSpeculation {
         match self {
-            Self::None => "none",
-            Self::Ngram => "ngram",
-            Self::Parallel => "parallel",
-            Self::DsparkMarkov => "dspark-markov",
-            Self::DsparkRnn => "dspark-rnn",
+            Self::None => EngineSpeculation::None,
+            Self::Ngram => EngineSpeculation::Ngram,
+            Self::Parallel => EngineSpeculation::Parallel,
+            Self::DsparkMarkov => EngineSpeculation::DSparkMarkov,
+            Self::DsparkRnn => EngineSpeculation::DSparkRnn,
         }
+    }
+
+    /// The engine's `--speculation` value.
+    pub fn engine_flag(self) -> &'static str {
+        self.engine_kind().flag()
     }
 }
 

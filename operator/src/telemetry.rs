@@ -1,6 +1,7 @@
 //! The operator's own Prometheus metrics (served on `/metrics` with `/healthz`), kept out of the
 //! reconcile logic: the reconciler only bumps counters.
 
+use dspark_types::contract::metrics::operator as om;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -91,85 +92,87 @@ impl Metrics {
         };
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counter(
-            "dspark_operator_reconciles_total",
+            &om::RECONCILES.sample(),
             "Reconciles run.",
             g(&self.reconciles),
         );
         counter(
-            "dspark_operator_reconcile_errors_total",
+            &om::RECONCILE_ERRORS.sample(),
             "Reconciles that failed.",
             g(&self.reconcile_errors),
         );
         counter(
-            "dspark_operator_scaling_decisions_total",
+            &om::SCALING_DECISIONS.sample(),
             "Replica changes applied.",
             g(&self.scaling_decisions),
         );
         counter(
-            "dspark_operator_advisory_decisions_total",
+            &om::ADVISORY_DECISIONS.sample(),
             "Replica changes recorded but not applied (advisory mode).",
             g(&self.advisory_decisions),
         );
         counter(
-            "dspark_operator_profiling_jobs_total",
+            &om::PROFILING_JOBS.sample(),
             "Profiling Jobs started.",
             g(&self.profiling_jobs),
         );
         counter(
-            "dspark_operator_profiling_failures_total",
+            &om::PROFILING_FAILURES.sample(),
             "Profiling attempts that failed.",
             g(&self.profiling_failures),
         );
         counter(
-            "dspark_operator_cost_tables_stored_total",
+            &om::COST_TABLES_STORED.sample(),
             "Cost tables validated and stored.",
             g(&self.cost_tables_stored),
         );
         counter(
-            "dspark_operator_cost_table_pushes_total",
+            &om::COST_TABLE_PUSHES.sample(),
             "Cost tables pushed to engine pods.",
             g(&self.pushes),
         );
         counter(
-            "dspark_operator_cost_table_push_failures_total",
+            &om::COST_TABLE_PUSH_FAILURES.sample(),
             "Cost-table pushes that failed.",
             g(&self.push_failures),
         );
         let secs = g(&self.reconcile_micros) as f64 / 1e6;
         let _ = writeln!(
             out,
-            "# HELP dspark_operator_reconcile_duration_seconds_sum Time spent reconciling.\n# TYPE dspark_operator_reconcile_duration_seconds_sum counter\ndspark_operator_reconcile_duration_seconds_sum {secs}"
+            "# HELP {n} Time spent reconciling (seconds, only ever grows).\n# TYPE {n} {t}\n{n} {secs}",
+            n = om::RECONCILE_DURATION_SUM.name,
+            t = om::RECONCILE_DURATION_SUM.kind.type_word()
         );
         let pools = self.pool_snapshot();
         type Field = fn(&PoolGauges) -> Option<f64>;
         let gauges: [(&str, &str, Field); 6] = [
             (
-                "dspark_operator_pool_desired_replicas",
+                om::POOL_DESIRED_REPLICAS.name,
                 "Replicas the operator wants for the pool.",
                 |g| Some(f64::from(g.desired)),
             ),
             (
-                "dspark_operator_pool_ready_replicas",
+                om::POOL_READY_REPLICAS.name,
                 "Ready engine pods of the pool.",
                 |g| Some(f64::from(g.ready)),
             ),
             (
-                "dspark_operator_pool_ttft_p95_seconds",
+                om::POOL_TTFT_P95.name,
                 "Measured p95 time to first token of the pool (fresh data only).",
                 |g| g.ttft_p95,
             ),
             (
-                "dspark_operator_pool_itl_p95_seconds",
+                om::POOL_ITL_P95.name,
                 "Measured p95 inter-token latency of the pool (fresh data only).",
                 |g| g.itl_p95,
             ),
             (
-                "dspark_operator_pool_acceptance_length",
+                om::POOL_ACCEPTANCE_LENGTH.name,
                 "Live acceptance length of the pool's engines.",
                 |g| g.acceptance_length,
             ),
             (
-                "dspark_operator_pool_request_rate",
+                om::POOL_REQUEST_RATE.name,
                 "Finished requests per second of the pool.",
                 |g| Some(g.request_rate),
             ),
@@ -185,7 +188,8 @@ impl Metrics {
         let leader = u8::from(self.leader.load(Ordering::Relaxed));
         let _ = writeln!(
             out,
-            "# HELP dspark_operator_leader Whether this replica holds the leader Lease.\n# TYPE dspark_operator_leader gauge\ndspark_operator_leader {leader}"
+            "# HELP {n} Whether this replica holds the leader Lease.\n# TYPE {n} gauge\n{n} {leader}",
+            n = om::LEADER.name
         );
         out
     }

@@ -20,47 +20,10 @@ pub mod speculator;
 pub mod verify;
 
 use crate::sampling::Dist;
+pub use dspark_types::PolicyKind;
 
-/// Which drafter an engine runs (`--speculation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Speculation {
-    None,
-    Ngram,
-    Parallel,
-    DSparkMarkov,
-    DSparkRnn,
-}
-
-impl Speculation {
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "none" => Speculation::None,
-            "ngram" => Speculation::Ngram,
-            "parallel" => Speculation::Parallel,
-            "dspark-markov" => Speculation::DSparkMarkov,
-            "dspark-rnn" => Speculation::DSparkRnn,
-            _ => return None,
-        })
-    }
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Speculation::None => "none",
-            Speculation::Ngram => "ngram",
-            Speculation::Parallel => "parallel",
-            Speculation::DSparkMarkov => "dspark-markov",
-            Speculation::DSparkRnn => "dspark-rnn",
-        }
-    }
-
-    /// Drafts with a model fed with the target's hidden states (it keeps a context cache).
-    pub fn uses_model_drafter(&self) -> bool {
-        matches!(
-            self,
-            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn
-        )
-    }
-}
+/// Which drafter an engine runs (`--speculation`); the names are the operator contract's.
+pub use dspark_types::Speculation;
 
 /// A proposed block after the anchor (the last committed token).
 #[derive(Debug, Clone)]
@@ -120,13 +83,18 @@ impl VerifyPolicy {
         }
     }
 
+    /// The policy's kind (its `--policy` name is the contract's [`PolicyKind::flag`]).
+    pub fn kind(&self) -> PolicyKind {
+        match self {
+            VerifyPolicy::Fixed { .. } => PolicyKind::Fixed,
+            VerifyPolicy::Threshold { .. } => PolicyKind::Threshold,
+            VerifyPolicy::Dspark { .. } => PolicyKind::Dspark,
+        }
+    }
+
     /// The `--policy` name.
     pub fn name(&self) -> &'static str {
-        match self {
-            VerifyPolicy::Fixed { .. } => "fixed",
-            VerifyPolicy::Threshold { .. } => "threshold",
-            VerifyPolicy::Dspark { .. } => "dspark",
-        }
+        self.kind().flag()
     }
 
     /// Verify length for one proposal on its own, at most `cap` tokens (the scheduler, which

@@ -5,16 +5,10 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-/// Histogram families the autoscaler reads.
-pub const TTFT: &str = "dspark_time_to_first_token_seconds";
-pub const ITL: &str = "dspark_inter_token_latency_seconds";
-pub const E2E: &str = "dspark_e2e_request_latency_seconds";
-/// Gauges and counters the autoscaler reads.
-pub const RUNNING: &str = "dspark_num_requests_running";
-pub const WAITING: &str = "dspark_num_requests_waiting";
-pub const DRAFTS: &str = "dspark_spec_decode_num_drafts_total";
-pub const DRAFT_TOKENS: &str = "dspark_spec_decode_num_draft_tokens_total";
-pub const ACCEPTED: &str = "dspark_spec_decode_num_accepted_tokens_total";
+use dspark_types::contract::metrics::{
+    Family as Fam, Kind, E2E, ITL, RUNNING, SPEC_ACCEPTED_TOKENS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS,
+    TTFT, WAITING,
+};
 
 /// A cumulative histogram: `(upper bound, cumulative count)` sorted by bound, `+Inf` last.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -181,24 +175,29 @@ enum Family {
 }
 
 fn family(name: &str) -> Option<Family> {
-    for (base, h) in [(TTFT, Hist::Ttft), (ITL, Hist::Itl), (E2E, Hist::E2e)] {
-        if let Some(suffix) = name.strip_prefix(base) {
-            return match suffix {
-                "_bucket" => Some(Family::Hist(h, Part::Bucket)),
-                "_count" => Some(Family::Hist(h, Part::Count)),
-                "_sum" => Some(Family::Hist(h, Part::Sum)),
-                _ => None,
-            };
+    let part = |f: Fam| {
+        debug_assert_eq!(f.kind, Kind::Histogram);
+        match name.strip_prefix(f.name)? {
+            "_bucket" => Some(Part::Bucket),
+            "_count" => Some(Part::Count),
+            "_sum" => Some(Part::Sum),
+            _ => None,
+        }
+    };
+    for (f, h) in [(TTFT, Hist::Ttft), (ITL, Hist::Itl), (E2E, Hist::E2e)] {
+        if let Some(p) = part(f) {
+            return Some(Family::Hist(h, p));
         }
     }
-    match name {
-        RUNNING => Some(Family::Running),
-        WAITING => Some(Family::Waiting),
-        DRAFTS => Some(Family::Drafts),
-        DRAFT_TOKENS => Some(Family::DraftTokens),
-        ACCEPTED => Some(Family::Accepted),
-        _ => None,
-    }
+    [
+        (RUNNING, Family::Running),
+        (WAITING, Family::Waiting),
+        (SPEC_DRAFTS, Family::Drafts),
+        (SPEC_DRAFT_TOKENS, Family::DraftTokens),
+        (SPEC_ACCEPTED_TOKENS, Family::Accepted),
+    ]
+    .into_iter()
+    .find_map(|(f, fam)| f.owns(name).then_some(fam))
 }
 
 impl Scrape {

@@ -1,6 +1,7 @@
 //! Where the autoscaler's metrics come from: scraping each ready engine pod's `/metrics` by pod
 //! IP (the default), or PromQL against a Prometheus server. Thin I/O over [`super::metrics`].
 
+use dspark_types::contract::paths;
 use futures::future::join_all;
 use hyper::Method;
 
@@ -18,7 +19,7 @@ pub async fn scrape_pool(
     now: f64,
 ) -> Vec<(String, String)> {
     let results = join_all(pods.iter().map(|p| async move {
-        let url = pod_url(&p.ip, HTTP_PORT, "/metrics");
+        let url = pod_url(&p.ip, HTTP_PORT, paths::METRICS);
         let r = http.send(Method::GET, &url, None, None).await;
         let parsed = match r {
             Ok(r) if r.status == 200 => parse_exposition(&r.body),
@@ -49,22 +50,33 @@ pub fn pool_queries(namespace: &str, deployment: &str, pool: &str, window: i64) 
     let p95 = |m: &str| {
         format!("histogram_quantile(0.95, sum by (le) (rate({m}_bucket{{{sel}}}[{window}s])))")
     };
-    use super::metrics::*;
+    use dspark_types::contract::metrics::{
+        E2E, ITL, RUNNING, SPEC_ACCEPTED_TOKENS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, TTFT, WAITING,
+    };
+    let (e2e, itl, running, waiting) = (E2E.name, ITL.name, RUNNING.name, WAITING.name);
     PoolQueries {
-        ttft_p95: p95(TTFT),
-        itl_p95: p95(ITL),
-        request_rate: rate(&format!("{E2E}_count")),
+        ttft_p95: p95(TTFT.name),
+        itl_p95: p95(itl),
+        request_rate: rate(&format!("{e2e}_count")),
         tokens_per_request: format!(
             "({} + {}) / {}",
-            rate(&format!("{ITL}_count")),
-            rate(&format!("{E2E}_count")),
-            rate(&format!("{E2E}_count"))
+            rate(&format!("{itl}_count")),
+            rate(&format!("{e2e}_count")),
+            rate(&format!("{e2e}_count"))
         ),
-        in_flight: format!("sum({RUNNING}{{{sel}}}) + sum({WAITING}{{{sel}}})"),
-        waiting: format!("sum({WAITING}{{{sel}}})"),
-        acceptance_length: format!("1 + {} / {}", rate(ACCEPTED), rate(DRAFTS)),
-        draft_length: format!("{} / {}", rate(DRAFT_TOKENS), rate(DRAFTS)),
-        age: format!("time() - max(timestamp({RUNNING}{{{sel}}}))"),
+        in_flight: format!("sum({running}{{{sel}}}) + sum({waiting}{{{sel}}})"),
+        waiting: format!("sum({waiting}{{{sel}}})"),
+        acceptance_length: format!(
+            "1 + {} / {}",
+            rate(&SPEC_ACCEPTED_TOKENS.sample()),
+            rate(&SPEC_DRAFTS.sample())
+        ),
+        draft_length: format!(
+            "{} / {}",
+            rate(&SPEC_DRAFT_TOKENS.sample()),
+            rate(&SPEC_DRAFTS.sample())
+        ),
+        age: format!("time() - max(timestamp({running}{{{sel}}}))"),
     }
 }
 

@@ -3,6 +3,7 @@
 //! ready engine pods of a pool over their admin API (`PUT /admin/v1/cost-table`). The
 //! pool's mounted ConfigMap is the fallback when a push fails.
 
+use dspark_types::contract::paths;
 use std::time::Duration;
 
 use dspark_types::{AdminState, CostTable, ErrorBody, PushResponse};
@@ -177,8 +178,8 @@ pub async fn push_to_pod(
     attempts: u32,
 ) -> Result<PushOutcome> {
     let digest = table.digest();
-    let state_url = pod_url(&pod.ip, admin_port, "/admin/v1/state");
-    let put_url = pod_url(&pod.ip, admin_port, "/admin/v1/cost-table");
+    let state_url = pod_url(&pod.ip, admin_port, paths::ADMIN_STATE);
+    let put_url = pod_url(&pod.ip, admin_port, paths::ADMIN_COST_TABLE);
     let err = |url: &str, message: String| Error::Engine {
         pod: pod.name.clone(),
         url: url.to_string(),

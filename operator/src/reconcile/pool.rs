@@ -22,6 +22,8 @@ use k8s_openapi::ByteString;
 use kube::{Resource, ResourceExt};
 
 use crate::crd::{DSparkDeployment, ModelSource, NodePool, GRACE_MARGIN_SECONDS};
+use dspark_types::contract::flags::{self, arg};
+use dspark_types::contract::{env as cenv, paths, ports};
 
 /// Label on every object and pod of a DSparkDeployment (the `/scale` selector).
 pub const LABEL_DEPLOYMENT: &str = "serving.dspark.dev/deployment";
@@ -35,9 +37,9 @@ pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const MANAGER: &str = "dspark-operator";
 
-/// Engine ports.
-pub const HTTP_PORT: i32 = 8000;
-pub const ADMIN_PORT: i32 = 8001;
+/// Engine ports (the contract's).
+pub const HTTP_PORT: i32 = ports::HTTP as i32;
+pub const ADMIN_PORT: i32 = ports::ADMIN as i32;
 /// Where the pool's cost table is mounted.
 pub const COST_TABLE_DIR: &str = "/etc/dspark/cost-table";
 pub const COST_TABLE_KEY: &str = "cost-table.json";
@@ -317,9 +319,9 @@ pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
             args: Some(vec![
                 "fetch".into(),
                 m.path.clone(),
-                "--cache".into(),
+                arg(flags::CACHE),
                 MODEL_CACHE_DIR.into(),
-                "--termination-log".into(),
+                arg(flags::TERMINATION_LOG),
                 "/dev/termination-log".into(),
             ]),
             env: Some(env),
@@ -445,10 +447,11 @@ pub fn pod_template_meta(dsd: &DSparkDeployment, labels: BTreeMap<String, String
 fn drain_in_args(dsd: &DSparkDeployment) -> Option<u32> {
     let args = &dsd.spec.engine.args;
     args.iter().enumerate().find_map(|(i, a)| {
-        if let Some(v) = a.strip_prefix("--drain-timeout-secs=") {
+        let flag = arg(flags::DRAIN_TIMEOUT_SECS);
+        if let Some(v) = a.strip_prefix(&flag).and_then(|v| v.strip_prefix('=')) {
             return v.parse().ok();
         }
-        (a == "--drain-timeout-secs")
+        (*a == flag)
             .then(|| args.get(i + 1)?.parse().ok())
             .flatten()
     })
@@ -511,15 +514,15 @@ pub fn serve_args(
     drafter: Option<&str>,
     has_table: bool,
 ) -> Vec<String> {
-    let mut a: Vec<String> = vec!["serve".into(), "--model".into(), model.into()];
+    let mut a: Vec<String> = vec!["serve".into(), arg(flags::MODEL), model.into()];
     if let Some(d) = drafter {
-        a.extend(["--drafter".into(), d.into()]);
+        a.extend([arg(flags::DRAFTER), d.into()]);
     }
     if [Some(model), drafter].into_iter().flatten().any(is_remote) {
-        a.extend(["--cache".into(), MODEL_CACHE_DIR.into()]);
+        a.extend([arg(flags::CACHE), MODEL_CACHE_DIR.into()]);
     }
     if let Some(s) = dsd.spec.speculation {
-        a.extend(["--speculation".into(), s.engine_flag().into()]);
+        a.extend([arg(flags::SPECULATION), s.engine_flag().into()]);
     }
     if let Some(p) = dsd
         .spec
@@ -527,27 +530,27 @@ pub fn serve_args(
         .as_ref()
         .and_then(|s| s.policy.engine_flag())
     {
-        a.extend(["--policy".into(), p.into()]);
+        a.extend([arg(flags::POLICY), p.into()]);
     }
     a.extend([
-        "--host".into(),
+        arg(flags::HOST),
         "0.0.0.0".into(),
-        "--port".into(),
+        arg(flags::PORT),
         HTTP_PORT.to_string(),
-        "--admin-port".into(),
+        arg(flags::ADMIN_PORT),
         ADMIN_PORT.to_string(),
-        "--admin-token-file".into(),
+        arg(flags::ADMIN_TOKEN_FILE),
         format!("{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"),
     ]);
     if drain_in_args(dsd).is_none() {
         a.extend([
-            "--drain-timeout-secs".into(),
+            arg(flags::DRAIN_TIMEOUT_SECS),
             dsd.spec.drain_seconds().to_string(),
         ]);
     }
     if has_table {
         a.extend([
-            "--cost-table".into(),
+            arg(flags::COST_TABLE),
             format!("{COST_TABLE_DIR}/{COST_TABLE_KEY}"),
         ]);
     }
@@ -561,21 +564,21 @@ fn is_remote(path: &str) -> bool {
 }
 
 fn engine_env(dsd: &DSparkDeployment, pool: &NodePool) -> Vec<EnvVar> {
-    let mut env = vec![var("DSPARK_NODE_TYPE", pool.node_type.clone())];
+    let mut env = vec![var(cenv::NODE_TYPE, pool.node_type.clone())];
     if let Some(s) = &dsd.spec.scheduler {
         if let Some(g) = s.gamma {
-            env.push(var("DSPARK_GAMMA", g.to_string()));
+            env.push(var(cenv::GAMMA, g.to_string()));
         }
         if let Some(t) = s.threshold {
-            env.push(var("DSPARK_THRESHOLD", t.to_string()));
+            env.push(var(cenv::THRESHOLD, t.to_string()));
         }
         if let Some(r) = s.online_calibration {
-            env.push(var("DSPARK_ONLINE_CALIBRATION", r.to_string()));
+            env.push(var(cenv::ONLINE_CALIBRATION, r.to_string()));
         }
         if let Some(e) = &s.experiment {
-            env.push(var("DSPARK_POLICY_EXPERIMENT", e.arms.join(",")));
+            env.push(var(cenv::POLICY_EXPERIMENT, e.arms.join(",")));
             if let Some(w) = e.window_seconds {
-                env.push(var("DSPARK_EXPERIMENT_WINDOW", w.to_string()));
+                env.push(var(cenv::EXPERIMENT_WINDOW, w.to_string()));
             }
         }
     }
@@ -679,9 +682,9 @@ pub fn engine_deployment(
             },
         ]),
         resources: Some(resources(dsd, pool)),
-        readiness_probe: Some(http_probe("/ready", 5, 3)),
-        liveness_probe: Some(http_probe("/health", 10, 3)),
-        startup_probe: Some(http_probe("/health", 5, (startup_seconds + 4) / 5)),
+        readiness_probe: Some(http_probe(paths::READY, 5, 3)),
+        liveness_probe: Some(http_probe(paths::HEALTH, 10, 3)),
+        startup_probe: Some(http_probe(paths::HEALTH, 5, (startup_seconds + 4) / 5)),
         security_context: Some(container_security()),
         volume_mounts: Some(mounts),
         ..Default::default()

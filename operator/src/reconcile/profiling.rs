@@ -6,6 +6,7 @@
 //!
 //! The state machine ([`next_step`]) is pure; [`advance`] does the I/O.
 
+use dspark_types::contract::flags::{self, arg};
 use std::collections::BTreeMap;
 
 use dspark_types::CostTable;
@@ -48,21 +49,21 @@ pub fn profiling_job(
     let plan = model_plan(dsd);
     let mut args = vec![
         "profile".to_string(),
-        "--model".into(),
+        arg(flags::MODEL),
         plan.model.clone(),
-        "--output".into(),
+        arg(flags::OUTPUT),
         "/dev/termination-log".into(),
-        "--compact".into(),
-        "--node-type".into(),
+        arg(flags::COMPACT),
+        arg(flags::NODE_TYPE),
         pool.node_type.clone(),
     ];
     // With a drafter, the table also carries its time per draft call (`draft_points`),
     // which the dspark policy prices drafting with.
     if let Some(d) = &plan.drafter {
-        args.extend(["--drafter".into(), d.clone()]);
+        args.extend([arg(flags::DRAFTER), d.clone()]);
     }
     if plan.remote {
-        args.extend(["--cache".into(), MODEL_CACHE_DIR.into()]);
+        args.extend([arg(flags::CACHE), MODEL_CACHE_DIR.into()]);
     }
     args.extend(dsd.spec.profiling.args.iter().cloned());
     let volumes: Vec<Volume> = plan.volumes.clone();
