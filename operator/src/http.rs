@@ -1,5 +1,5 @@
 //! A small plain-HTTP client for talking to engine pods by pod IP (admin API, `/metrics`) and
-//! to Prometheus. Every request has a deadline.
+//! to Prometheus, and how an engine pod is addressed. Every request has a deadline.
 
 use std::time::Duration;
 
@@ -8,6 +8,23 @@ use hyper::body::Bytes;
 use hyper::{Method, Request};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+
+/// A ready engine pod reachable by pod IP (the reconciler finds them, the autoscaler
+/// scrapes them, the cost-table push writes to them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodTarget {
+    pub name: String,
+    pub ip: String,
+}
+
+/// `http://{ip}:{port}{path}` (IPv6 literals bracketed).
+pub fn pod_url(ip: &str, port: i32, path: &str) -> String {
+    if ip.contains(':') {
+        format!("http://[{ip}]:{port}{path}")
+    } else {
+        format!("http://{ip}:{port}{path}")
+    }
+}
 
 /// A response: status code and body text.
 #[derive(Debug, Clone, PartialEq)]

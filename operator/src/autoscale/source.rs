@@ -1,14 +1,13 @@
 //! Where the autoscaler's metrics come from: scraping each ready engine pod's `/metrics` by pod
 //! IP (the default), or PromQL against a Prometheus server. Thin I/O over [`super::metrics`].
 
-use dspark_types::contract::paths;
+use dspark_types::contract::{paths, ports};
 use futures::future::join_all;
 use hyper::Method;
 
 use super::metrics::{parse_exposition, Freshness, PoolObservation, PoolWindow};
 use crate::http::{encode_query, HttpClient};
-use crate::reconcile::costs::{pod_url, PodTarget};
-use crate::reconcile::pool::HTTP_PORT;
+use crate::http::{pod_url, PodTarget};
 
 /// Scrapes every pod concurrently into `window` at time `now`; returns the pods that failed and
 /// why (they go stale in the window, which holds the pool).
@@ -19,7 +18,7 @@ pub async fn scrape_pool(
     now: f64,
 ) -> Vec<(String, String)> {
     let results = join_all(pods.iter().map(|p| async move {
-        let url = pod_url(&p.ip, HTTP_PORT, paths::METRICS);
+        let url = pod_url(&p.ip, i32::from(ports::HTTP), paths::METRICS);
         let r = http.send(Method::GET, &url, None, None).await;
         let parsed = match r {
             Ok(r) if r.status == 200 => parse_exposition(&r.body),

@@ -16,7 +16,7 @@ use kube::{Api, Resource, ResourceExt};
 
 use super::pool::{LABEL_MANAGED_BY, MANAGER};
 use crate::crd::{cost_table_name, CostTableKey, DSparkCostTable, DSparkDeployment};
-use crate::http::HttpClient;
+use crate::http::{pod_url, HttpClient, PodTarget};
 use crate::{Error, Result};
 
 /// Owner references of a cost table: every deployment in `all` with a pool keyed by `key`,
@@ -73,13 +73,6 @@ pub async fn ensure_cost_table(
         name,
         source,
     })
-}
-
-/// A ready engine pod reachable by pod IP.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PodTarget {
-    pub name: String,
-    pub ip: String,
 }
 
 /// The controller owner reference of `meta`, if any.
@@ -146,15 +139,6 @@ pub fn ready_pods(pods: &[Pod]) -> Vec<PodTarget> {
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
     out
-}
-
-/// `http://{ip}:{port}` (IPv6 literals bracketed).
-pub fn pod_url(ip: &str, port: i32, path: &str) -> String {
-    if ip.contains(':') {
-        format!("http://[{ip}]:{port}{path}")
-    } else {
-        format!("http://{ip}:{port}{path}")
-    }
 }
 
 /// What a push did to one pod.

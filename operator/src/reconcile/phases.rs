@@ -23,7 +23,7 @@ use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 use tracing::{info, warn};
 
-use super::costs::{self, PodTarget, PushOutcome};
+use super::costs::{self, PushOutcome};
 use super::pool::{self, ADMIN_PORT, LABEL_DEPLOYMENT, LABEL_POOL, MANAGER};
 use super::status::{self, PoolView, StatusInput};
 use super::{admin_token, apply, model, object_key, profiling, prune, publish, write_replicas};
@@ -35,6 +35,7 @@ use crate::crd::{
     AutoscalingMode, CostTablePhase, DSparkDeployment, MetricsSource, NodePool,
     ScalingDecisionStatus, ScalingMode,
 };
+use crate::http::PodTarget;
 use crate::telemetry::Metrics;
 use crate::{Error, Result};
 

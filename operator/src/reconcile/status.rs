@@ -4,7 +4,6 @@
 
 use std::collections::BTreeMap;
 
-use super::costs::PodTarget;
 use super::pool::selector_string;
 use crate::autoscale::metrics::{Freshness, PoolObservation};
 use crate::autoscale::policy::round_sig;
@@ -12,6 +11,7 @@ use crate::crd::{
     AutoscalingMode, CostTablePhase, DSparkDeployment, DSparkDeploymentStatus, PoolStatus,
     ScalingDecisionStatus, ScalingMode,
 };
+use crate::http::PodTarget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 /// One pool as a reconcile saw it.
