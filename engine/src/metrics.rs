@@ -468,24 +468,26 @@ mod tests {
             position: 0,
         };
         let arm = ExperimentMetrics::label("dspark");
-        m.request_success.get_or_create(&FinishLabel {
+        let finish = FinishLabel {
             finished_reason: "stop".into(),
-        });
-        m.spec_accepted_per_pos.get_or_create(&pos);
-        m.cost_table_source.get_or_create(&SourceLabel {
+        };
+        let source = SourceLabel {
             source: "default".into(),
-        });
-        m.live_acceptance.get_or_create(&pos);
-        m.calibration_offset.get_or_create(&mode);
-        m.calibration_scale.get_or_create(&mode);
+        };
         let e = &m.experiment;
-        e.active.get_or_create(&arm);
-        e.tokens.get_or_create(&arm);
-        e.seconds.get_or_create(&arm);
-        e.running_seconds.get_or_create(&arm);
-        e.windows.get_or_create(&arm);
-        e.ttft.get_or_create(&arm);
-        e.itl.get_or_create(&arm);
+        drop(m.request_success.get_or_create(&finish));
+        drop(m.spec_accepted_per_pos.get_or_create(&pos));
+        drop(m.cost_table_source.get_or_create(&source));
+        drop(m.live_acceptance.get_or_create(&pos));
+        drop(m.calibration_offset.get_or_create(&mode));
+        drop(m.calibration_scale.get_or_create(&mode));
+        drop(e.active.get_or_create(&arm));
+        drop(e.tokens.get_or_create(&arm));
+        drop(e.seconds.get_or_create(&arm));
+        drop(e.running_seconds.get_or_create(&arm));
+        drop(e.windows.get_or_create(&arm));
+        drop(e.ttft.get_or_create(&arm));
+        drop(e.itl.get_or_create(&arm));
         let text = m.render();
         let exposed: BTreeMap<&str, &str> = text
             .lines()
