@@ -10,7 +10,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::PostParams;
 use kube::Api;
 
-use crate::reconcile::pool::MANAGER;
+use crate::reconcile::names::MANAGER;
 use crate::Result;
 
 /// What a candidate should do with the Lease it sees.

@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 
 use dspark_operator::crd::DSparkDeployment;
 use dspark_operator::leader::LeaderElector;
-use dspark_operator::reconcile::pool::{LABEL_MANAGED_BY, MANAGER};
+use dspark_operator::reconcile::names::{LABEL_MANAGED_BY, MANAGER};
 use dspark_operator::reconcile::{error_policy, reconcile, Context};
 use dspark_operator::telemetry::{self, Metrics};
 

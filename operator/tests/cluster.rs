@@ -19,7 +19,7 @@ use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, ResourceExt};
 
 use dspark_operator::crd::{AutoscalingMode, CostTablePhase, DSparkCostTable, DSparkDeployment};
-use dspark_operator::reconcile::pool::{LABEL_MANAGED_BY, MANAGER};
+use dspark_operator::reconcile::names::{LABEL_MANAGED_BY, MANAGER};
 use dspark_operator::reconcile::{error_policy, reconcile, Context};
 
 /// A client for the test cluster, or `None` (after saying why) when there is none.

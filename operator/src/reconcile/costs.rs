@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
 
-use super::pool::{LABEL_MANAGED_BY, MANAGER};
+use super::names::{LABEL_MANAGED_BY, MANAGER};
 use crate::crd::{cost_table_name, CostTableKey, DSparkCostTable, DSparkDeployment};
 use crate::http::{pod_url, HttpClient, PodTarget};
 use crate::{Error, Result};

@@ -8,6 +8,7 @@
 
 pub mod costs;
 pub mod model;
+pub mod names;
 mod phases;
 pub mod pool;
 pub mod profiling;
@@ -34,7 +35,8 @@ use crate::crd::{DSparkDeployment, ScalingDecisionStatus, ScalingMode};
 use crate::http::HttpClient;
 use crate::telemetry::Metrics;
 use crate::{Error, Result};
-use pool::{ADMIN_TOKEN_KEY, MANAGER};
+use names::MANAGER;
+use pool::ADMIN_TOKEN_KEY;
 
 /// Shared by every reconcile.
 pub struct Context {
@@ -238,7 +240,7 @@ async fn publish(
 /// The admin token: read from the Secret, or a new random one in a new Secret.
 async fn admin_token(ctx: &Context, dsd: &DSparkDeployment, ns: &str) -> Result<String> {
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    let name = pool::admin_secret_name(dsd);
+    let name = names::admin_secret_name(dsd);
     if let Some(s) = api.get_opt(&name).await? {
         if let Some(t) = s.data.as_ref().and_then(|d| d.get(ADMIN_TOKEN_KEY)) {
             return Ok(String::from_utf8_lossy(&t.0).into_owned());

@@ -24,7 +24,8 @@ use kube::{Api, Resource, ResourceExt};
 use tracing::{info, warn};
 
 use super::costs::{self, PushOutcome};
-use super::pool::{self, ADMIN_PORT, LABEL_DEPLOYMENT, LABEL_POOL, MANAGER};
+use super::names::{pool_object_name, LABEL_DEPLOYMENT, LABEL_POOL, MANAGER};
+use super::pool::{self, ADMIN_PORT};
 use super::status::{self, PoolView, StatusInput};
 use super::{admin_token, apply, model, object_key, profiling, prune, publish, write_replicas};
 use super::{Context, Runtime};
@@ -204,7 +205,7 @@ async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>>
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
     let replica_sets_api: Api<ReplicaSet> = Api::namespaced(client.clone(), ns);
-    let current = deployments.get_opt(&pool::pool_object_name(dsd, p)).await?;
+    let current = deployments.get_opt(&pool_object_name(dsd, p)).await?;
     let selector = format!(
         "{LABEL_DEPLOYMENT}={},{LABEL_POOL}={}",
         dsd.name_any(),

@@ -1,6 +1,8 @@
 //! Builders of the objects one node pool owns: the engine Deployment, its Service, its
 //! PodDisruptionBudget and its cost-table ConfigMap; plus the deployment-wide Service and
-//! admin-token Secret. Pure: object in, objects out (applied with server-side apply).
+//! admin-token Secret. Names and labels come from `names.rs`, the engine's flags, variables,
+//! ports and paths from `dspark_types::contract`. Pure: object in, objects out (applied with
+//! server-side apply).
 
 use std::collections::BTreeMap;
 
@@ -16,26 +18,18 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::ByteString;
-use kube::{Resource, ResourceExt};
+use kube::ResourceExt;
 
+use super::names::{
+    admin_secret_name, base_labels, cost_table_config_map_name, meta, pool_labels,
+    pool_object_name, pool_selector, LABEL_DEPLOYMENT, NODE_TYPE_LABEL, RESERVED_LABEL_PREFIX,
+};
 use crate::crd::{DSparkDeployment, ModelSource, NodePool, GRACE_MARGIN_SECONDS};
 use dspark_types::contract::flags::{self, arg};
 use dspark_types::contract::{env as cenv, paths, ports};
-
-/// Label on every object and pod of a DSparkDeployment (the `/scale` selector).
-pub const LABEL_DEPLOYMENT: &str = "serving.dspark.dev/deployment";
-/// Labels under this prefix are the operator's: `spec.podTemplate` cannot set them.
-pub const RESERVED_LABEL_PREFIX: &str = "serving.dspark.dev/";
-/// Label naming the pool of an object or pod.
-pub const LABEL_POOL: &str = "serving.dspark.dev/pool";
-/// Node label holding the node type.
-pub const NODE_TYPE_LABEL: &str = "dspark.dev/node-type";
-pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
-pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
-pub const MANAGER: &str = "dspark-operator";
 
 /// Engine ports (the contract's).
 pub const HTTP_PORT: i32 = ports::HTTP as i32;
@@ -48,62 +42,6 @@ pub const ADMIN_TOKEN_DIR: &str = "/etc/dspark/admin";
 pub const ADMIN_TOKEN_KEY: &str = "token";
 /// UID the engine runs as (non-root).
 pub const ENGINE_UID: i64 = 65532;
-
-/// `{deployment}-{pool}`: the engine Deployment, Service and PDB of a pool.
-pub fn pool_object_name(dsd: &DSparkDeployment, pool: &NodePool) -> String {
-    format!("{}-{}", dsd.name_any(), pool.name)
-}
-
-/// `{deployment}-{pool}-cost-table`: the pool's cost-table ConfigMap.
-pub fn cost_table_config_map_name(dsd: &DSparkDeployment, pool: &NodePool) -> String {
-    format!("{}-{}-cost-table", dsd.name_any(), pool.name)
-}
-
-/// `{deployment}-admin-token`: the Secret holding the engines' admin bearer token.
-pub fn admin_secret_name(dsd: &DSparkDeployment) -> String {
-    format!("{}-admin-token", dsd.name_any())
-}
-
-/// The `/scale` label selector: every engine pod of the deployment.
-pub fn selector_string(dsd: &DSparkDeployment) -> String {
-    format!("{LABEL_DEPLOYMENT}={}", dsd.name_any())
-}
-
-fn owner(dsd: &DSparkDeployment) -> OwnerReference {
-    dsd.controller_owner_ref(&())
-        .expect("a stored DSparkDeployment has a uid")
-}
-
-fn base_labels(dsd: &DSparkDeployment) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (LABEL_DEPLOYMENT.to_string(), dsd.name_any()),
-        (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
-    ])
-}
-
-fn pool_selector(dsd: &DSparkDeployment, pool: &NodePool) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (LABEL_DEPLOYMENT.to_string(), dsd.name_any()),
-        (LABEL_POOL.to_string(), pool.name.clone()),
-    ])
-}
-
-fn pool_labels(dsd: &DSparkDeployment, pool: &NodePool) -> BTreeMap<String, String> {
-    let mut l = base_labels(dsd);
-    l.extend(pool_selector(dsd, pool));
-    l.insert(LABEL_COMPONENT.into(), "engine".into());
-    l
-}
-
-fn meta(dsd: &DSparkDeployment, name: String, labels: BTreeMap<String, String>) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name),
-        namespace: dsd.namespace(),
-        labels: Some(labels),
-        owner_references: Some(vec![owner(dsd)]),
-        ..Default::default()
-    }
-}
 
 /// Where the model cache volume is mounted (fetch init containers and engine).
 pub const MODEL_CACHE_DIR: &str = "/models/cache";
@@ -823,6 +761,7 @@ pub fn admin_secret(dsd: &DSparkDeployment, token: &str) -> Secret {
 pub(crate) mod tests {
     use super::*;
     use crate::crd::*;
+    use crate::reconcile::names::{selector_string, LABEL_POOL};
 
     pub(crate) fn sample() -> DSparkDeployment {
         let text = std::fs::read_to_string(concat!(

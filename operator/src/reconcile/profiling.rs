@@ -17,9 +17,9 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
 
+use super::names::{LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER};
 use super::pool::{
-    container_security, model_plan, pod_spec_base, pod_template_meta, resources, LABEL_COMPONENT,
-    LABEL_MANAGED_BY, MANAGER, MODEL_CACHE_DIR,
+    container_security, model_plan, pod_spec_base, pod_template_meta, resources, MODEL_CACHE_DIR,
 };
 use crate::crd::{
     CostTableKey, CostTablePhase, DSparkCostTable, DSparkCostTableStatus, DSparkDeployment,

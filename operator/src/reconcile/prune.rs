@@ -23,7 +23,9 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use super::pool::{self, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER};
+use super::names::{
+    cost_table_config_map_name, pool_object_name, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER,
+};
 use crate::crd::{cost_table_name, DSparkCostTable, DSparkDeployment};
 use crate::{Error, Result};
 
@@ -39,10 +41,7 @@ pub struct Wanted {
 /// What the spec of `dsd` asks for, by kind.
 pub fn wanted(dsd: &DSparkDeployment) -> Wanted {
     let pools = &dsd.spec.pools;
-    let per_pool: BTreeSet<String> = pools
-        .iter()
-        .map(|p| pool::pool_object_name(dsd, p))
-        .collect();
+    let per_pool: BTreeSet<String> = pools.iter().map(|p| pool_object_name(dsd, p)).collect();
     let mut services = per_pool.clone();
     services.insert(dsd.name_any());
     Wanted {
@@ -51,7 +50,7 @@ pub fn wanted(dsd: &DSparkDeployment) -> Wanted {
         pdbs: per_pool,
         config_maps: pools
             .iter()
-            .map(|p| pool::cost_table_config_map_name(dsd, p))
+            .map(|p| cost_table_config_map_name(dsd, p))
             .collect(),
         cost_tables: pools
             .iter()

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::pool::selector_string;
+use super::names::selector_string;
 use crate::autoscale::metrics::{Freshness, PoolObservation};
 use crate::autoscale::policy::round_sig;
 use crate::crd::{
