@@ -1,4 +1,4 @@
-//! Public drafter checkpoints in their own layouts, against the reference code (issue #26).
+//! Public drafter checkpoints in their own layouts, against the reference code.
 //!
 //! `tests/reference/drafter_reference.py` runs DeepSeek DeepSpec's `Qwen3DSparkModel` and
 //! z-lab's `DFlashDraftModel` themselves (PyTorch, f32, CPU) on a tiny random Qwen3 target

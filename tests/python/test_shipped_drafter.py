@@ -1,4 +1,4 @@
-"""The shipped drafter is what its manifest says it is (issue #5).
+"""The shipped drafter is what its manifest says it is.
 
 `make demo` serves drafters/smollm2-135m-dspark-markov; its manifest.json is the recipe that
 reproduces it. These checks catch a drafter replaced without its manifest (or the other way

@@ -1,4 +1,4 @@
-"""Structured outputs and tool calls through the official `openai` client (issue #24).
+"""Structured outputs and tool calls through the official `openai` client.
 
 Over the tests' prompt set, every `json_schema` answer validates against its schema (a real
 JSON Schema validator, `jsonschema`), with and without speculative decoding (the shipped

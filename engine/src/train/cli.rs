@@ -75,7 +75,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     pub layers: usize,
     /// Rank r of the Markov/RNN head (the reference's 256; at equal budget it beat 64 on
-    /// every domain, docs/benchmarks.md session 7).
+    /// every domain, docs/benchmarks.md).
     #[arg(long, default_value_t = 256)]
     pub rank: usize,
     /// Draft vocabulary size (0: the full target vocabulary).

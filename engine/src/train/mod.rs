@@ -1,4 +1,4 @@
-//! Drafter training (issue #5): self-distilled data ([`data`]), a differentiable drafter
+//! Drafter training: self-distilled data ([`data`]), a differentiable drafter
 //! with the serving drafter's parameters ([`model`]), the DSpark loss ([`loss`]), AdamW with
 //! warm-up + cosine and clipping ([`optim`]), Sequential Temperature Scaling
 //! ([`calibrate`]), the acceptance evaluation ([`eval`]) and its PNG plots ([`plots`], the

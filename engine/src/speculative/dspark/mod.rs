@@ -1,4 +1,4 @@
-//! The DSpark drafter (issue #4): a parallel block drafter with a sequential head and a
+//! The DSpark drafter: a parallel block drafter with a sequential head and a
 //! calibrated confidence head, as a model of its own next to the target.
 //!
 //! Equations implemented (numbering of `shared/method.md`, "Drafter: semi-autoregressive
