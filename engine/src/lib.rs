@@ -9,13 +9,16 @@
 //! verify scheduler, lossless verification, behind one `Speculator` the step loop calls),
 //! the online policy experiment ([`experiment`]), the SPS(B) and draft-time cost table in
 //! force ([`cost`]) and its measurement
-//! ([`profile`]), drafter training and evaluation ([`train`]), process wiring ([`runtime`]), model sources fetched into a shared cache ([`source`]:
+//! ([`profile`]), drafter training and evaluation ([`train`]), the loaders every subcommand shares
+//! ([`loader`]: device, threads, model + tokenizer, drafter), the `serve` wiring ([`runtime`]), model sources fetched into a shared cache ([`source`]:
 //! `hf://`, `s3://`, `https://`),
 //! the OpenAI-compatible HTTP API ([`server`]) and its metrics ([`metrics`]). Cost-table
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
 //!
 //! Layering: `kernels` <- `model` <- `speculative` <- `engine` <- `server`; `runtime` wires
-//! them; nothing below `engine` imports from it or from `server`. `unsafe` lives only in
+//! them for `serve`; `loader` sits below `engine` (training and profiling load through it,
+//! never through `runtime` or `server`); nothing below `engine` imports from it or from
+//! `server`. `unsafe` lives only in
 //! `kernels` (SIMD, the thread pool) and `model` (memory-mapped weights, SIMD attention),
 //! each block with its SAFETY note; every other module forbids it.
 
@@ -34,6 +37,8 @@ pub mod experiment;
 pub mod kernels;
 #[forbid(unsafe_code)]
 pub mod kv;
+#[forbid(unsafe_code)]
+pub mod loader;
 #[forbid(unsafe_code)]
 pub mod metrics;
 pub mod model;

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use dspark_engine::engine::EngineConfig;
+use dspark_engine::loader;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router;
 use dspark_engine::source;
@@ -351,7 +352,7 @@ fn experiment_report(a: ReportArgs) -> Result<()> {
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
-    runtime::init_threads(a.threads);
+    loader::init_threads(a.threads);
     let speculation = Speculation::parse(&a.speculation).with_context(|| {
         format!(
             "unknown --speculation '{}'; use none, ngram, parallel, dspark-markov or dspark-rnn",
@@ -428,7 +429,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             .or_else(|| remote.then(|| model.name.clone())),
         kv_cache_mb: a.kv_cache_mb,
         kv_block_size: a.kv_block_size,
-        kv_cache_dtype: runtime::parse_kv_dtype(&a.kv_cache_dtype)?,
+        kv_cache_dtype: loader::parse_kv_dtype(&a.kv_cache_dtype)?,
         max_model_len: a.max_model_len,
         engine: EngineConfig {
             max_batch_tokens: a.max_batch_tokens,
@@ -502,10 +503,10 @@ fn serve(a: ServeArgs) -> Result<()> {
 fn profile(a: ProfileArgs) -> Result<()> {
     use dspark_engine::kv::KvCache;
     use dspark_engine::profile::{cost_table, log_grid, measure, ProfileOptions};
-    runtime::init_threads(a.threads);
-    let device = runtime::device(&a.device)?;
+    loader::init_threads(a.threads);
+    let device = loader::device(&a.device)?;
     let fetched = source::resolve_arg(&a.model, a.cache.clone())?;
-    let (mut model, _) = runtime::load(&fetched.path, &device, true)?;
+    let (mut model, _) = loader::load(&fetched.path, &device, true)?;
     if fetched.revision.is_some() {
         model.id = fetched.model_id();
     }
@@ -533,7 +534,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
         ..Default::default()
     };
     let need = (max_b as usize) * (a.context + a.tokens_per_seq + 16);
-    let dtype = runtime::parse_kv_dtype(&a.kv_cache_dtype)?;
+    let dtype = loader::parse_kv_dtype(&a.kv_cache_dtype)?;
     let kv_bytes =
         need * KvCache::bytes_per_token_as(model.cfg.num_layers, model.cfg.kv_dim(), dtype);
     let mut kv = KvCache::new_as(
@@ -547,7 +548,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
     eprintln!(
         "profiling {} on {} over B = {:?} (context {}, {} tokens per sequence)",
         model.id,
-        runtime::device_name(&device),
+        loader::device_name(&device),
         opts.grid,
         a.context,
         a.tokens_per_seq
@@ -568,10 +569,10 @@ fn profile(a: ProfileArgs) -> Result<()> {
             Some(s) => Speculation::parse(s).with_context(|| {
                 format!("unknown --speculation '{s}'; use parallel, dspark-markov or dspark-rnn")
             })?,
-            None => runtime::drafter_kind(path)?,
+            None => loader::drafter_kind(path)?,
         };
         let max_n = a.max_draft_seqs.unwrap_or(a.max_batch).max(1);
-        let mut d = runtime::build_drafter(
+        let mut d = loader::build_drafter(
             spec,
             Some(path),
             1,
@@ -606,7 +607,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
     }
     let table = cost_table(
         &model,
-        &runtime::device_name(&device),
+        &loader::device_name(&device),
         a.node_type,
         a.drafter_id,
         &points,

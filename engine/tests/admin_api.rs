@@ -25,7 +25,7 @@ fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
 }
 
 fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: bool) -> Engine {
-    runtime::init_threads(None);
+    dspark_engine::loader::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
         model_id: None,

@@ -24,7 +24,7 @@ fn start_state(
     kv_mb: usize,
     drafter: Option<std::path::PathBuf>,
 ) -> std::sync::Arc<dspark_engine::server::AppState> {
-    runtime::init_threads(None);
+    dspark_engine::loader::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
         model_id: None,

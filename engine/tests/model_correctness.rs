@@ -11,7 +11,7 @@ use std::path::Path;
 
 /// The model and a KV cache of `dtype` (serving's default is f16).
 fn load(path: &Path, dtype: DType) -> (Model, KvCache) {
-    dspark_engine::runtime::init_threads(None);
+    dspark_engine::loader::init_threads(None);
     let m = Model::load(path, &Device::Cpu, &|_, _| {}).expect("model loads");
     let kv = KvCache::new_as(
         m.cfg.num_layers,

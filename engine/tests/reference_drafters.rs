@@ -341,7 +341,7 @@ fn serve_greedy(
     drafter: Option<PathBuf>,
     prompts: &[Vec<u32>],
 ) -> Vec<(String, usize)> {
-    runtime::init_threads(None);
+    dspark_engine::loader::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: model.to_path_buf(),
         model_id: None,
@@ -454,7 +454,7 @@ fn served_reference_and_converted_drafters_decode_like_plain() {
             .0
             .save(&native)
             .unwrap();
-        let speculation = runtime::drafter_kind(&cdir).unwrap();
+        let speculation = dspark_engine::loader::drafter_kind(&cdir).unwrap();
         let gamma = d.config().block_size;
         for (form, path) in [(layout.name(), &cdir), ("native", &native)] {
             for policy in [

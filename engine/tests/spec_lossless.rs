@@ -151,7 +151,7 @@ fn start_with(
     table: Option<&dyn Fn(&str) -> String>,
     kv_mb: usize,
 ) -> std::sync::Arc<dspark_engine::server::AppState> {
-    runtime::init_threads(None);
+    dspark_engine::loader::init_threads(None);
     let (state, _) = runtime::start(&AppOptions {
         model: common::smollm2(),
         model_id: None,

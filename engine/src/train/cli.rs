@@ -8,7 +8,7 @@ use super::loss::LossConfig;
 use super::model::TrainDrafter;
 use super::optim::OptimConfig;
 use super::{train, TrainConfig};
-use crate::runtime;
+use crate::loader;
 use crate::speculative::dspark::{default_target_layers, DSparkDrafter, HeadKind, Layout};
 use crate::speculative::recalibrate::OnlineCalibration;
 use anyhow::{bail, ensure, Context, Result};
@@ -206,9 +206,9 @@ fn dataset(
 }
 
 pub fn run_train(a: TrainArgs) -> Result<()> {
-    runtime::init_threads(a.threads);
-    let device = runtime::device(&a.device)?;
-    let (model, tok) = runtime::load(&a.model, &device, true)?;
+    loader::init_threads(a.threads);
+    let device = loader::device(&a.device)?;
+    let (model, tok) = loader::load(&a.model, &device, true)?;
     let dirs = dataset_dirs(&a.dataset, &model);
     let ds = dataset(&model, &tok, &dirs, &a)?;
     if a.generate_only {
@@ -332,7 +332,7 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
         "--out must differ from --drafter (the input is read, not rewritten)"
     );
     let device = candle_core::Device::Cpu;
-    let (model, _) = runtime::load(&a.model, &device, true)?;
+    let (model, _) = loader::load(&a.model, &device, true)?;
     let (mut d, from) = DSparkDrafter::load_layout(&a.drafter, &model)?;
     ensure!(
         a.compact_w1 || from != a.to,
@@ -376,9 +376,9 @@ pub fn run_convert(a: ConvertArgs) -> Result<()> {
 }
 
 pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
-    runtime::init_threads(a.threads);
-    let device = runtime::device(&a.device)?;
-    let (model, _) = runtime::load(&a.model, &device, true)?;
+    loader::init_threads(a.threads);
+    let device = loader::device(&a.device)?;
+    let (model, _) = loader::load(&a.model, &device, true)?;
     let ds = Dataset::load_all(&dataset_dirs(&a.dataset, &model))?;
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
     ds.check_fits(&model, d.target_layers())?;
@@ -494,9 +494,9 @@ fn split_kv(s: &str) -> Result<(String, PathBuf)> {
 }
 
 pub fn run_eval(a: EvalArgs) -> Result<()> {
-    runtime::init_threads(a.threads);
-    let device = runtime::device(&a.device)?;
-    let (model, tok) = runtime::load(&a.model, &device, true)?;
+    loader::init_threads(a.threads);
+    let device = loader::device(&a.device)?;
+    let (model, tok) = loader::load(&a.model, &device, true)?;
     let mut drafters: Vec<(String, EvalDrafter)> = Vec::new();
     if a.plain {
         drafters.push(("plain".into(), EvalDrafter::Plain));
