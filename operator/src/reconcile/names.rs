@@ -20,6 +20,10 @@ pub const NODE_TYPE_LABEL: &str = "dspark.dev/node-type";
 pub const LABEL_COMPONENT: &str = "app.kubernetes.io/component";
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const MANAGER: &str = "dspark-operator";
+/// Label naming the cost table a profiling Job measures.
+pub const LABEL_COST_TABLE: &str = "serving.dspark.dev/cost-table";
+/// `app.kubernetes.io/component` of profiling Jobs and their pods.
+pub const COMPONENT_PROFILER: &str = "profiler";
 
 /// `{deployment}-{pool}`: the engine Deployment, Service and PDB of a pool.
 pub fn pool_object_name(dsd: &DSparkDeployment, pool: &NodePool) -> String {
@@ -78,5 +82,69 @@ pub(crate) fn meta(
         labels: Some(labels),
         owner_references: Some(vec![owner(dsd)]),
         ..Default::default()
+    }
+}
+
+/// The label selector of profiling Jobs (what the controller watches them by).
+pub fn profiling_job_selector() -> String {
+    format!("{LABEL_COMPONENT}={COMPONENT_PROFILER},{LABEL_MANAGED_BY}={MANAGER}")
+}
+
+/// The deployments (of `all`) that a profiling Job's progress concerns: those in the Job's
+/// namespace with a pool whose cost table is the one the Job's `LABEL_COST_TABLE` names.
+/// The controller reconciles them when the Job changes, so a finished profile is stored and
+/// pushed at once rather than at the next periodic requeue.
+pub fn users_of_profiling_job<'a>(
+    job_namespace: Option<&str>,
+    job_labels: Option<&BTreeMap<String, String>>,
+    all: impl IntoIterator<Item = &'a DSparkDeployment>,
+) -> Vec<&'a DSparkDeployment> {
+    let Some(table) = job_labels.and_then(|l| l.get(LABEL_COST_TABLE)) else {
+        return Vec::new();
+    };
+    all.into_iter()
+        .filter(|d| d.namespace().as_deref() == job_namespace)
+        .filter(|d| {
+            d.spec
+                .pools
+                .iter()
+                .any(|p| &crate::crd::cost_table_name(&d.spec.cost_table_key(p)) == table)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::cost_table_name;
+    use crate::reconcile::pool::tests::sample;
+
+    #[test]
+    fn a_profiling_job_concerns_the_deployments_using_its_table() {
+        let mut a = sample();
+        a.metadata.namespace = Some("ns".into());
+        let table = cost_table_name(&a.spec.cost_table_key(&a.spec.pools[0]));
+        let mut b = a.clone();
+        b.metadata.name = Some("other".into());
+        let mut elsewhere = a.clone();
+        elsewhere.metadata.namespace = Some("ns2".into());
+        let mut unrelated = a.clone();
+        unrelated.metadata.name = Some("unrelated".into());
+        for p in &mut unrelated.spec.pools {
+            p.node_type = "never-profiled".into();
+        }
+        let all = [a.clone(), b.clone(), elsewhere, unrelated];
+        let labels = BTreeMap::from([(LABEL_COST_TABLE.to_string(), table)]);
+        let names = |v: Vec<&DSparkDeployment>| -> Vec<String> {
+            v.into_iter().map(|d| d.name_any()).collect()
+        };
+        assert_eq!(
+            names(users_of_profiling_job(Some("ns"), Some(&labels), &all)),
+            [a.name_any(), b.name_any()]
+        );
+        assert!(users_of_profiling_job(Some("ns"), None, &all).is_empty());
+        let other = BTreeMap::from([(LABEL_COST_TABLE.to_string(), "nope".to_string())]);
+        assert!(users_of_profiling_job(Some("ns"), Some(&other), &all).is_empty());
+        assert!(profiling_job_selector().contains("=profiler"));
     }
 }

@@ -17,7 +17,9 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
 
-use super::names::{LABEL_COMPONENT, LABEL_MANAGED_BY, MANAGER};
+use super::names::{
+    COMPONENT_PROFILER, LABEL_COMPONENT, LABEL_COST_TABLE, LABEL_MANAGED_BY, MANAGER,
+};
 use super::pool::{
     container_security, model_plan, pod_spec_base, pod_template_meta, resources, MODEL_CACHE_DIR,
 };
@@ -27,8 +29,6 @@ use crate::crd::{
 };
 use crate::{Error, Result};
 
-/// Label on profiling Jobs naming their cost table.
-pub const LABEL_COST_TABLE: &str = "serving.dspark.dev/cost-table";
 /// Name of the profiling container.
 pub const PROFILE_CONTAINER: &str = "profile";
 
@@ -87,7 +87,7 @@ pub fn profiling_job(
     };
     let labels = BTreeMap::from([
         (LABEL_COST_TABLE.to_string(), ct.name_any()),
-        (LABEL_COMPONENT.to_string(), "profiler".to_string()),
+        (LABEL_COMPONENT.to_string(), COMPONENT_PROFILER.to_string()),
         (LABEL_MANAGED_BY.to_string(), MANAGER.to_string()),
     ]);
     let mut pod = pod_spec_base(dsd, pool, vec![container], volumes);
