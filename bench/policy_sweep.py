@@ -30,12 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from engines import stop, wait_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_POLICIES = "none,fixed:4,fixed:8,fixed:16,threshold:0.4,dspark"
@@ -59,21 +59,6 @@ def policy_args(spec: str, gamma_max: int, speculation: str) -> tuple[str, list[
     raise SystemExit(f"policy_sweep: unknown policy {spec!r} (none, fixed:G, threshold:T, dspark)")
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"policy_sweep: engine exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("policy_sweep: engine not ready in time")
-
-
 def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> list[dict]:
     """Starts an engine with policy `spec`, runs one closed-loop level, stops it."""
     label, pargs = policy_args(spec, args.gamma_max, args.speculation)
@@ -88,7 +73,7 @@ def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> l
     print(f"# {label} @ {level} streams: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(url, proc)
+        wait_ready(f"{url}/ready", proc, what="policy_sweep: engine")
         jpath = out / f"loadgen-{tag}.json"
         lg = [sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
               "--model", "bench", "--concurrency", level,
@@ -101,11 +86,7 @@ def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> l
         data = json.loads(jpath.read_text())
         return [{"policy": label, "spec": spec, "round": rnd, **s} for s in data["summaries"]]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, grace=60)
         log.close()
         time.sleep(1)
 

@@ -25,13 +25,13 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from engines import start_engine, stop
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM = (
@@ -46,34 +46,6 @@ SYSTEM = (
 )
 FOLLOW_UPS = ["Can you say that more briefly?", "Why is that so?", "Give one example.",
               "What is a common mistake here?", "Summarise your answers in one line."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_engine(binary: str, model: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-         "--served-model-name", "m", "--kv-cache-mb", "256", *extra],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine exited; see {log}")
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", "/ready")
-            if c.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("engine did not become ready")
 
 
 def chat(port: int, messages: list[dict], max_tokens: int) -> dict:
@@ -185,8 +157,7 @@ def main(argv=None) -> int:
                 chat(port, [{"role": "user", "content": "warm up"}], 4)
                 recs, wall = run_workload(port, questions, args)
             finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+                stop(proc, grace=60)
             s = summary(recs, wall)
             results[name].append(s)
             all_records[name].append(recs)

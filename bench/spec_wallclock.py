@@ -17,8 +17,10 @@ with a fresh server, and reports the median (and the range) per row: on a noisy 
 30 s sitting per row moves by 10-20 %. `--bin NAME=PATH` serves row NAME with another
 engine binary (A/B of two builds). Run it on a quiet machine.
 """
-import argparse, json, os, shlex, signal, socket, subprocess, sys, time, urllib.request
+import argparse, json, os, shlex, subprocess, sys, time, urllib.request
 from pathlib import Path
+
+from engines import free_port, stop, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache/dspark"))
@@ -28,39 +30,6 @@ DEFAULT_ROWS = [
     "ngram=--speculation ngram --policy dspark --gamma 7",
     f"dspark-markov=--speculation dspark-markov --drafter {DRAFTER} --policy dspark --gamma 7",
 ]
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def wait_ready(url, proc, timeout=300):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url} not ready after {timeout}s")
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def loadgen(url, args, out_json):

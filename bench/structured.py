@@ -25,9 +25,7 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -36,33 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "python"))
 from test_structured import SCHEMAS  # noqa: E402  (the schemas the tests validate)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(binary: str, model: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-         "--served-model-name", "m", "--kv-cache-mb", "512", "--max-model-len", "2048", *extra],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"engine exited; see {log}")
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", "/ready")
-            if c.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("engine not ready")
+from engines import start_engine, stop  # noqa: E402
 
 
 def post(port: int, body: dict) -> dict:
@@ -155,7 +127,8 @@ def main():
     results = {name: {c: {"free": [], "schema": []} for c in concs} for name in settings}
     for rnd in range(a.rounds):
         for name, extra in settings.items():
-            proc, port = start(a.binary, a.model, extra, Path(f"/tmp/bench-structured-{name}.log"))
+            proc, port = start_engine(a.binary, a.model, extra, Path(f"/tmp/bench-structured-{name}.log"),
+                                      max_model_len=2048)
             try:
                 for c in concs:
                     # Alternate which phase goes first, round by round.
@@ -166,8 +139,7 @@ def main():
                         print(f"round {rnd} {name} C={c} {mode}: {r['tok_s']:.1f} tok/s "
                               f"({r['requests']} requests, invalid {r['invalid']})", file=sys.stderr)
             finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+                stop(proc, grace=60)
     Path(a.out).write_text(json.dumps({k: {str(c): v for c, v in d.items()} for k, d in results.items()}, indent=1))
     print("| engine | streams | free tok/s | schema tok/s | schema / free | extra ms per token (schema) "
           "| accepted / drafted (free) | accepted / drafted (schema) | schema requests (invalid) | errors |")
