@@ -9,21 +9,14 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use futures::StreamExt;
-use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::batch::v1::Job;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{watcher, Controller};
-use kube::{Api, Client};
+use kube::Client;
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
-use dspark_operator::crd::{DSparkCostTable, DSparkDeployment};
 use dspark_operator::leader::LeaderElector;
-use dspark_operator::reconcile::names::{
-    profiling_job_selector, users_of_profiling_job, LABEL_MANAGED_BY, MANAGER,
-};
-use dspark_operator::reconcile::{error_policy, reconcile, Context};
+use dspark_operator::reconcile::names::MANAGER;
+use dspark_operator::reconcile::{controller, error_policy, reconcile, Context};
 use dspark_operator::telemetry::{self, Metrics};
 
 #[derive(Parser, Debug)]
@@ -135,49 +128,7 @@ async fn main() -> anyhow::Result<()> {
     }
     metrics.leader.store(true, Ordering::Relaxed);
 
-    let dsds: Api<DSparkDeployment> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let owned: Api<Deployment> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let tables: Api<DSparkCostTable> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let jobs: Api<Job> = match &args.namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let controller = Controller::new(dsds, watcher::Config::default());
-    let store = controller.store();
-    let controller = controller
-        .owns(
-            owned,
-            watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")),
-        )
-        // A cost table's status (profiled, failed) reaches every deployment that owns it
-        // at once, not at the next periodic requeue.
-        .owns(tables, watcher::Config::default())
-        // So does a profiling Job's progress: it is owned by its cost table, so map it to
-        // the deployments whose pools use that table.
-        .watches(
-            jobs,
-            watcher::Config::default().labels(&profiling_job_selector()),
-            move |job: Job| {
-                let all = store.state();
-                users_of_profiling_job(
-                    job.metadata.namespace.as_deref(),
-                    job.metadata.labels.as_ref(),
-                    all.iter().map(|d| d.as_ref()),
-                )
-                .into_iter()
-                .map(ObjectRef::from_obj)
-                .collect::<Vec<_>>()
-            },
-        );
+    let controller = controller(&client, args.namespace.as_deref());
     let recorder = Recorder::new(
         client.clone(),
         Reporter {

@@ -15,12 +15,11 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, ResourceExt};
 
 use dspark_operator::crd::{AutoscalingMode, CostTablePhase, DSparkCostTable, DSparkDeployment};
 use dspark_operator::reconcile::names::{LABEL_MANAGED_BY, MANAGER};
-use dspark_operator::reconcile::{error_policy, reconcile, Context};
+use dspark_operator::reconcile::{controller, error_policy, reconcile, Context};
 
 /// A client for the test cluster, or `None` (after saying why) when there is none.
 async fn cluster(test: &str) -> Option<Client> {
@@ -293,11 +292,7 @@ async fn finish_profiling_pod(client: &Client, ns: &str, job: &str, message: &st
 
 /// Runs the controller for namespace `ns` only, in the background.
 fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
-    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), ns);
-    let controller = Controller::new(dsds, watcher::Config::default()).owns(
-        Api::<Deployment>::namespaced(client.clone(), ns),
-        watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")),
-    );
+    let controller = controller(client, Some(ns));
     let recorder = Recorder::new(
         client.clone(),
         Reporter {

@@ -19,11 +19,14 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
-use kube::runtime::reflector::Store;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::{watcher, Controller};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -31,11 +34,11 @@ use tracing::{instrument, warn};
 
 use crate::autoscale::metrics::{PoolObservation, PoolWindow};
 use crate::autoscale::policy::PolicyState;
-use crate::crd::{DSparkDeployment, ScalingDecisionStatus, ScalingMode};
+use crate::crd::{DSparkCostTable, DSparkDeployment, ScalingDecisionStatus, ScalingMode};
 use crate::http::HttpClient;
 use crate::telemetry::Metrics;
 use crate::{Error, Result};
-use names::MANAGER;
+use names::{LABEL_MANAGED_BY, MANAGER};
 use pool::ADMIN_TOKEN_KEY;
 
 /// Shared by every reconcile.
@@ -71,6 +74,54 @@ impl Context {
             started: Instant::now(),
         }
     }
+}
+
+/// The controller: DSparkDeployments (in `namespace`, or all), reconciled when they
+/// change, when an engine Deployment they own changes, when a cost table they use changes
+/// (profiled, failed), and when a profiling Job of such a table progresses (Jobs are owned
+/// by their table, so they are mapped to the table's users), so a finished profile is
+/// stored and pushed at once rather than at the next requeue. The binary and the cluster
+/// tests run the same wiring.
+pub fn controller(client: &kube::Client, namespace: Option<&str>) -> Controller<DSparkDeployment> {
+    fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as Resource>::DynamicType: Default,
+    {
+        match namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let controller = Controller::new(
+        api::<DSparkDeployment>(client, namespace),
+        watcher::Config::default(),
+    );
+    let store = controller.store();
+    controller
+        .owns(
+            api::<Deployment>(client, namespace),
+            watcher::Config::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")),
+        )
+        .owns(
+            api::<DSparkCostTable>(client, namespace),
+            watcher::Config::default(),
+        )
+        .watches(
+            api::<Job>(client, namespace),
+            watcher::Config::default().labels(&names::profiling_job_selector()),
+            move |job: Job| {
+                let all = store.state();
+                names::users_of_profiling_job(
+                    job.metadata.namespace.as_deref(),
+                    job.metadata.labels.as_ref(),
+                    all.iter().map(|d| d.as_ref()),
+                )
+                .into_iter()
+                .map(ObjectRef::from_obj)
+                .collect::<Vec<_>>()
+            },
+        )
 }
 
 /// What the autoscaler remembers about one deployment between reconciles.
