@@ -192,21 +192,27 @@ impl<'a> QMatrix<'a> {
     /// # Safety
     /// `out` points to an `m * n` buffer where no one else writes columns `j0..j1`; `acts`
     /// holds the formats this type needs.
+    #[deny(unsafe_op_in_unsafe_fn)]
     unsafe fn run(&self, acts: &Acts, m: usize, j0: usize, j1: usize, out: OutPtr, isa: Isa) {
         use matmul::run_rows;
-        #[cfg(target_arch = "x86_64")]
-        if let Some(p) = self.packed_for(isa) {
-            return p.run(&acts.q8, m, j0, j1, out.ptr());
-        }
-        let (n, d) = (self.n, self.data);
-        match self.ty {
-            QType::Q4_0 => run_rows::<dot::Q4_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
-            QType::Q4_1 => run_rows::<dot::Q4_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
-            QType::Q5_0 => run_rows::<dot::Q5_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
-            QType::Q5_1 => run_rows::<dot::Q5_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
-            QType::Q8_0 => run_rows::<dot::Q8_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
-            QType::Q4K => run_rows::<dot::Q4K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
-            QType::Q6K => run_rows::<dot::Q6K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
+        // SAFETY: this function's contract is the kernels' (`out` is an `m * n` buffer whose
+        // columns `j0..j1` are ours, `acts` holds the formats `self.ty` needs, `isa` was
+        // detected on this CPU); `self.data` holds `n` rows of `self.ty` blocks.
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(p) = self.packed_for(isa) {
+                return p.run(&acts.q8, m, j0, j1, out.ptr());
+            }
+            let (n, d) = (self.n, self.data);
+            match self.ty {
+                QType::Q4_0 => run_rows::<dot::Q4_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+                QType::Q4_1 => run_rows::<dot::Q4_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+                QType::Q5_0 => run_rows::<dot::Q5_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+                QType::Q5_1 => run_rows::<dot::Q5_1>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+                QType::Q8_0 => run_rows::<dot::Q8_0>(cast(d), n, &acts.q8, m, j0, j1, out, isa),
+                QType::Q4K => run_rows::<dot::Q4K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
+                QType::Q6K => run_rows::<dot::Q6K>(cast(d), n, &acts.q8k, m, j0, j1, out, isa),
+            }
         }
     }
 

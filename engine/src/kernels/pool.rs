@@ -19,6 +19,8 @@
 //! [`STRAGGLER`] in a row it runs the next [`SERIAL_JOBS`] jobs alone (the workers park and
 //! leave their core to the other process), then tries the pool again.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
@@ -271,7 +273,9 @@ impl<T> SharedMut<T> {
     /// touches the range meanwhile.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
-        std::slice::from_raw_parts_mut(self.0.add(start), len)
+        // SAFETY: the caller's contract (the range is inside the live buffer and nobody else
+        // touches it while the slice lives).
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
 }
 

@@ -8,6 +8,8 @@
 //!   comes from the signed value of largest magnitude, `d` stays f32, and `bsums` holds the
 //!   sums of each 16 quants.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 use super::blocks::{QK, QK_K};
 use half::f16;
 
@@ -60,41 +62,46 @@ pub fn quantize_q8(x: &[f32], out: &mut [Q8Block]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn quantize_q8_avx2(x: &[f32], out: &mut [Q8Block]) {
-    use std::arch::x86_64::*;
-    debug_assert_eq!(x.len(), out.len() * QK);
-    let sign = _mm256_set1_ps(-0.0);
-    for (xb, y) in x.chunks_exact(QK).zip(out.iter_mut()) {
-        let p = xb.as_ptr();
-        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
-        let m = _mm256_max_ps(
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
-        );
-        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
-        let d = amax / 127.0;
-        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        let q: [__m256i; 4] = std::array::from_fn(|i| {
-            _mm256_cvtps_epi32(_mm256_round_ps(
-                _mm256_mul_ps(v[i], id),
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-            ))
-        });
-        let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
-        let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)));
-        // i32 -> i16 -> i8 with packs (values are within -127..=127); packs interleave the
-        // 128-bit lanes, the permute restores the order.
-        let w01 = _mm256_packs_epi32(q[0], q[1]);
-        let w23 = _mm256_packs_epi32(q[2], q[3]);
-        let b = _mm256_packs_epi16(w01, w23);
-        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256(y.qs.as_mut_ptr() as *mut __m256i, b);
-        y.d = round_f16(d);
-        y.s = round_f16(d * sum as f32);
-        y.isum = sum;
+    // SAFETY: AVX2/FMA/F16C are enabled on this function (its callers checked the CPU);
+    // every load reads 8 floats inside a 32-float chunk of `x` and every store writes the
+    // 32 bytes of one block's `qs`.
+    unsafe {
+        use std::arch::x86_64::*;
+        debug_assert_eq!(x.len(), out.len() * QK);
+        let sign = _mm256_set1_ps(-0.0);
+        for (xb, y) in x.chunks_exact(QK).zip(out.iter_mut()) {
+            let p = xb.as_ptr();
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(p.add(8 * i)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_movehdup_ps(m2)));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let q: [__m256i; 4] = std::array::from_fn(|i| {
+                _mm256_cvtps_epi32(_mm256_round_ps(
+                    _mm256_mul_ps(v[i], id),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+                ))
+            });
+            let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01_00_11_10));
+            let sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0b10_11_00_01)));
+            // i32 -> i16 -> i8 with packs (values are within -127..=127); packs interleave the
+            // 128-bit lanes, the permute restores the order.
+            let w01 = _mm256_packs_epi32(q[0], q[1]);
+            let w23 = _mm256_packs_epi32(q[2], q[3]);
+            let b = _mm256_packs_epi16(w01, w23);
+            let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(y.qs.as_mut_ptr() as *mut __m256i, b);
+            y.d = round_f16(d);
+            y.s = round_f16(d * sum as f32);
+            y.isum = sum;
+        }
     }
 }
 

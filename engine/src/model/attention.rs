@@ -385,30 +385,36 @@ mod simd {
         impl Elem for f32 {
             #[inline(always)]
             unsafe fn load8(p: *const f32) -> __m256 {
-                _mm256_loadu_ps(p)
+                // SAFETY: the caller guarantees `p..p + 8` is readable (the trait's contract).
+                unsafe { _mm256_loadu_ps(p) }
             }
         }
 
         impl Elem for half::f16 {
             #[inline(always)]
             unsafe fn load8(p: *const half::f16) -> __m256 {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+                // SAFETY: the caller guarantees `p..p + 8` is readable (16 bytes) and F16C is
+                // present (the trait's contract).
+                unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
             }
         }
 
         /// The 8 horizontal sums of `a[0..8]` as one vector (lane j = sum of `a[j]`).
         #[inline(always)]
         unsafe fn hsum8(a: &[__m256; 8]) -> __m256 {
-            let h01 = _mm256_hadd_ps(a[0], a[1]);
-            let h23 = _mm256_hadd_ps(a[2], a[3]);
-            let h45 = _mm256_hadd_ps(a[4], a[5]);
-            let h67 = _mm256_hadd_ps(a[6], a[7]);
-            // Per 128-bit half: [s0 s1 s2 s3] partial sums of rows 0-3 and of rows 4-7.
-            let q0 = _mm256_hadd_ps(h01, h23);
-            let q1 = _mm256_hadd_ps(h45, h67);
-            let lo = _mm256_permute2f128_ps(q0, q1, 0x20);
-            let hi = _mm256_permute2f128_ps(q0, q1, 0x31);
-            _mm256_add_ps(lo, hi)
+            // SAFETY: register-only AVX arithmetic; callers run with AVX2 enabled.
+            unsafe {
+                let h01 = _mm256_hadd_ps(a[0], a[1]);
+                let h23 = _mm256_hadd_ps(a[2], a[3]);
+                let h45 = _mm256_hadd_ps(a[4], a[5]);
+                let h67 = _mm256_hadd_ps(a[6], a[7]);
+                // Per 128-bit half: [s0 s1 s2 s3] partial sums of rows 0-3 and of rows 4-7.
+                let q0 = _mm256_hadd_ps(h01, h23);
+                let q1 = _mm256_hadd_ps(h45, h67);
+                let lo = _mm256_permute2f128_ps(q0, q1, 0x20);
+                let hi = _mm256_permute2f128_ps(q0, q1, 0x31);
+                _mm256_add_ps(lo, hi)
+            }
         }
 
         /// `scores[j * len + i] = scale * q_j · k[offs[i]..]` for every query vector `q_j`
@@ -423,30 +429,37 @@ mod simd {
             scale: f32,
             scores: &mut [f32],
         ) {
-            let len = offs.len();
-            let kp = kc.as_ptr();
-            let mut i = 0;
-            while i < len {
-                let n = (len - i).min(8);
-                let rows: [*const E; 8] = std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
-                for (g, qg) in q.iter().enumerate() {
-                    let mut acc = [_mm256_setzero_ps(); 8];
-                    for c in (0..qg.len()).step_by(8) {
-                        let qv = _mm256_loadu_ps(qg.as_ptr().add(c));
-                        for j in 0..8 {
-                            acc[j] = _mm256_fmadd_ps(qv, E::load8(rows[j].add(c)), acc[j]);
+            // SAFETY: the caller guarantees `offs[i] + hd <= kc.len()` for every position,
+            // every query vector is `hd` long with `hd` a multiple of 8, and `scores` holds
+            // `q.len() * offs.len()` values; so every load reads inside `kc` or `q` and every
+            // store writes inside `scores`. The features `load8` needs are enabled here.
+            unsafe {
+                let len = offs.len();
+                let kp = kc.as_ptr();
+                let mut i = 0;
+                while i < len {
+                    let n = (len - i).min(8);
+                    let rows: [*const E; 8] =
+                        std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+                    for (g, qg) in q.iter().enumerate() {
+                        let mut acc = [_mm256_setzero_ps(); 8];
+                        for c in (0..qg.len()).step_by(8) {
+                            let qv = _mm256_loadu_ps(qg.as_ptr().add(c));
+                            for j in 0..8 {
+                                acc[j] = _mm256_fmadd_ps(qv, E::load8(rows[j].add(c)), acc[j]);
+                            }
+                        }
+                        let sums = _mm256_mul_ps(hsum8(&acc), _mm256_set1_ps(scale));
+                        if n == 8 {
+                            _mm256_storeu_ps(scores.as_mut_ptr().add(g * len + i), sums);
+                        } else {
+                            let mut tmp = [0f32; 8];
+                            _mm256_storeu_ps(tmp.as_mut_ptr(), sums);
+                            scores[g * len + i..g * len + i + n].copy_from_slice(&tmp[..n]);
                         }
                     }
-                    let sums = _mm256_mul_ps(hsum8(&acc), _mm256_set1_ps(scale));
-                    if n == 8 {
-                        _mm256_storeu_ps(scores.as_mut_ptr().add(g * len + i), sums);
-                    } else {
-                        let mut tmp = [0f32; 8];
-                        _mm256_storeu_ps(tmp.as_mut_ptr(), sums);
-                        scores[g * len + i..g * len + i + n].copy_from_slice(&tmp[..n]);
-                    }
+                    i += n;
                 }
-                i += n;
             }
         }
 
@@ -462,20 +475,25 @@ mod simd {
             offs: &[usize],
             o: &mut [&mut [f32]],
         ) {
-            let len = offs.len();
-            for p in (0..len).step_by(PASS) {
-                let e = (p + PASS).min(len);
-                for (j, oj) in o.iter_mut().enumerate() {
-                    let wj = &w[j * len + p..j * len + e];
-                    let hd = oj.len();
-                    if hd.is_multiple_of(64) {
-                        // 8 independent accumulators (64 values) keep both FMA ports busy.
-                        for c in (0..hd).step_by(64) {
-                            accumulate::<8, E>(wj, vc, &offs[p..e], c, oj);
-                        }
-                    } else {
-                        for c in (0..hd).step_by(32) {
-                            accumulate::<4, E>(wj, vc, &offs[p..e], c, oj);
+            // SAFETY: `accumulate`'s contract: every output vector is `hd` long (a multiple
+            // of 32) and `offs[i] + hd <= vc.len()`, which the caller guarantees; `w` holds
+            // `o.len() * offs.len()` weights (checked by slicing).
+            unsafe {
+                let len = offs.len();
+                for p in (0..len).step_by(PASS) {
+                    let e = (p + PASS).min(len);
+                    for (j, oj) in o.iter_mut().enumerate() {
+                        let wj = &w[j * len + p..j * len + e];
+                        let hd = oj.len();
+                        if hd.is_multiple_of(64) {
+                            // 8 independent accumulators (64 values) keep both FMA ports busy.
+                            for c in (0..hd).step_by(64) {
+                                accumulate::<8, E>(wj, vc, &offs[p..e], c, oj);
+                            }
+                        } else {
+                            for c in (0..hd).step_by(32) {
+                                accumulate::<4, E>(wj, vc, &offs[p..e], c, oj);
+                            }
                         }
                     }
                 }
@@ -491,17 +509,22 @@ mod simd {
             c: usize,
             o: &mut [f32],
         ) {
-            let op = o.as_mut_ptr().add(c);
-            let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
-            for (&wi, &off) in w.iter().zip(offs) {
-                let wv = _mm256_set1_ps(wi);
-                let v = vc.as_ptr().add(off + c);
-                for j in 0..N {
-                    acc[j] = _mm256_fmadd_ps(wv, E::load8(v.add(8 * j)), acc[j]);
+            // SAFETY: `c + 8N <= o.len()` and `offs[i] + c + 8N <= vc.len()` (the callers
+            // step `c` through `hd` by 8N, and every row is `hd` long), so every load and
+            // store stays inside `o` and `vc`.
+            unsafe {
+                let op = o.as_mut_ptr().add(c);
+                let mut acc: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(op.add(8 * j)));
+                for (&wi, &off) in w.iter().zip(offs) {
+                    let wv = _mm256_set1_ps(wi);
+                    let v = vc.as_ptr().add(off + c);
+                    for j in 0..N {
+                        acc[j] = _mm256_fmadd_ps(wv, E::load8(v.add(8 * j)), acc[j]);
+                    }
                 }
-            }
-            for j in 0..N {
-                _mm256_storeu_ps(op.add(8 * j), acc[j]);
+                for j in 0..N {
+                    _mm256_storeu_ps(op.add(8 * j), acc[j]);
+                }
             }
         }
     }
