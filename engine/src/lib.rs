@@ -20,12 +20,12 @@
 //! never through `runtime` or `server`); nothing below `engine` imports from it or from
 //! `server`. `unsafe` lives only in
 //! `kernels` (SIMD, the thread pool) and `model` (memory-mapped weights, SIMD attention),
-//! each block with its SAFETY note; every other module forbids it. `model`, the thread
-//! pool, activation quantisation and the matmul dispatch deny unsafe operations outside an
-//! `unsafe` block even inside an `unsafe fn` (`unsafe_op_in_unsafe_fn`); the SIMD dot
-//! products (`kernels::dot`, `vmath`, `packed`) do not yet.
+//! each block with its SAFETY note; every other module forbids it. Even inside an
+//! `unsafe fn`, an unsafe operation needs its own `unsafe` block and note
+//! (`unsafe_op_in_unsafe_fn`), which states the bounds the function relies on.
 
 #![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
 #[forbid(unsafe_code)]
 pub mod chat;
@@ -44,7 +44,6 @@ pub mod kv;
 pub mod loader;
 #[forbid(unsafe_code)]
 pub mod metrics;
-#[deny(unsafe_op_in_unsafe_fn)]
 pub mod model;
 #[forbid(unsafe_code)]
 pub mod profile;

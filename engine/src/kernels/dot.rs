@@ -5,6 +5,7 @@
 //! `d_w * d_a * sum` in f32, as ggml's reference code) and an AVX2/FMA version with ggml's x86
 //! arithmetic (`maddubs`/`madd` integer sums, f32 lane accumulators). Both compute the same
 //! integer block sums; they differ only in the order of the f32 additions.
+
 #![allow(clippy::needless_range_loop)]
 
 use super::blocks::*;
@@ -77,7 +78,9 @@ impl Kernel for Q4_0 {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ4_0], a: &[&[Q8Block]; R], out: &mut [f32; R]) {
-        avx2::q4_0(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q4_0(w, a, out) }
     }
 }
 
@@ -97,7 +100,9 @@ impl Kernel for Q4_1 {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ4_1], a: &[&[Q8Block]; R], out: &mut [f32; R]) {
-        avx2::q4_1(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q4_1(w, a, out) }
     }
 }
 
@@ -116,7 +121,9 @@ impl Kernel for Q5_0 {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ5_0], a: &[&[Q8Block]; R], out: &mut [f32; R]) {
-        avx2::q5_0(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q5_0(w, a, out) }
     }
 }
 
@@ -136,7 +143,9 @@ impl Kernel for Q5_1 {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ5_1], a: &[&[Q8Block]; R], out: &mut [f32; R]) {
-        avx2::q5_1(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q5_1(w, a, out) }
     }
 }
 
@@ -160,7 +169,9 @@ impl Kernel for Q8_0 {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ8_0], a: &[&[Q8Block]; R], out: &mut [f32; R]) {
-        avx2::q8_0(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q8_0(w, a, out) }
     }
 }
 
@@ -205,7 +216,9 @@ impl Kernel for Q4K {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ4K], a: &[&[Q8KBlock]; R], out: &mut [f32; R]) {
-        avx2::q4k(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q4k(w, a, out) }
     }
 }
 
@@ -246,7 +259,9 @@ impl Kernel for Q6K {
     }
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_avx2<const R: usize>(w: &[BlockQ6K], a: &[&[Q8KBlock]; R], out: &mut [f32; R]) {
-        avx2::q6k(w, a, out)
+        // SAFETY: the trait's contract (AVX2, FMA and F16C present; every `a[r]` as long as
+        // `w`) is the AVX2 kernel's.
+        unsafe { avx2::q6k(w, a, out) }
     }
 }
 
@@ -257,45 +272,58 @@ mod avx2 {
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
     }
 
     /// 16 bytes of nibbles -> 32 bytes 0..15: low nibbles first, then high nibbles.
     #[inline(always)]
     unsafe fn nibbles32(p: *const u8) -> __m256i {
-        let t = _mm_loadu_si128(p as *const __m128i);
-        let b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
-        _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
+        // SAFETY: callers pass a block's 16 packed nibble bytes; AVX2 is enabled in them.
+        unsafe {
+            let t = _mm_loadu_si128(p as *const __m128i);
+            let b = _mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+            _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
+        }
     }
 
     /// Byte i is 0xFF where bit i of the 32-bit word is set.
     #[inline(always)]
     unsafe fn bits32(p: *const u8) -> __m256i {
-        let x = u32::from_le_bytes(*(p as *const [u8; 4]));
-        let shuf = _mm256_set_epi64x(
-            0x0303030303030303,
-            0x0202020202020202,
-            0x0101010101010101,
-            0x0000000000000000,
-        );
-        let b = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
-        let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-        _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
+        // SAFETY: callers pass a block's 4 `qh` bytes; AVX2 is enabled in them.
+        unsafe {
+            let x = u32::from_le_bytes(*(p as *const [u8; 4]));
+            let shuf = _mm256_set_epi64x(
+                0x0303030303030303,
+                0x0202020202020202,
+                0x0101010101010101,
+                0x0000000000000000,
+            );
+            let b = _mm256_shuffle_epi8(_mm256_set1_epi32(x as i32), shuf);
+            let b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+            _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1))
+        }
     }
 
     /// Sums of unsigned x signed byte products, as 8 f32 lanes.
     #[inline(always)]
     unsafe fn us8(ux: __m256i, sy: __m256i) -> __m256 {
-        let p = _mm256_maddubs_epi16(ux, sy);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        // SAFETY: register-only AVX2 arithmetic; callers run with AVX2 enabled.
+        unsafe {
+            let p = _mm256_maddubs_epi16(ux, sy);
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+        }
     }
 
     #[inline(always)]
     unsafe fn load(p: &[i8; 32]) -> __m256i {
-        _mm256_loadu_si256(p.as_ptr() as *const __m256i)
+        // SAFETY: reads exactly the 32 bytes of `p`; callers run with AVX2 enabled.
+        unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
     }
 
     /// One weight block against R activation rows. Signed quants (Q4_0, Q5_0, Q8_0, with a
@@ -309,17 +337,21 @@ mod avx2 {
         acc: &mut [__m256; R],
         mins: &mut [f32; R],
     ) {
-        let ax = if SIGNED { _mm256_sign_epi8(qx, qx) } else { qx };
-        for r in 0..R {
-            let y = a[r].get_unchecked(i);
-            let sy = if SIGNED {
-                _mm256_sign_epi8(load(&y.qs), qx)
-            } else {
-                load(&y.qs)
-            };
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), us8(ax, sy), acc[r]);
-            if !SIGNED {
-                mins[r] += m * y.s;
+        // SAFETY: `i` indexes a block every `a[r]` holds (the kernels' contract: each
+        // activation row is as long as the weight row); AVX2/FMA are enabled in callers.
+        unsafe {
+            let ax = if SIGNED { _mm256_sign_epi8(qx, qx) } else { qx };
+            for r in 0..R {
+                let y = a[r].get_unchecked(i);
+                let sy = if SIGNED {
+                    _mm256_sign_epi8(load(&y.qs), qx)
+                } else {
+                    load(&y.qs)
+                };
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * y.d), us8(ax, sy), acc[r]);
+                if !SIGNED {
+                    mins[r] += m * y.s;
+                }
             }
         }
     }
@@ -333,28 +365,32 @@ mod avx2 {
         out: &mut [f32; R],
         decode: impl Fn(&W) -> (__m256i, f32, f32),
     ) {
-        let mut acc0 = [_mm256_setzero_ps(); R];
-        let mut acc1 = [_mm256_setzero_ps(); R];
-        let mut min0 = [0f32; R];
-        let mut min1 = [0f32; R];
-        let pairs = w.len() / 2;
-        for p in 0..pairs {
-            let i = 2 * p;
-            step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
-            step::<R, SIGNED>(
-                decode(w.get_unchecked(i + 1)),
-                i + 1,
-                a,
-                &mut acc1,
-                &mut min1,
-            );
-        }
-        if w.len() % 2 == 1 {
-            let i = w.len() - 1;
-            step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
-        }
-        for r in 0..R {
-            out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + (min0[r] + min1[r]);
+        // SAFETY: `i` and `i + 1` stay below `w.len()` (pairs, then the odd tail), and every
+        // `a[r]` is as long as `w` (the kernels' contract), as `step` needs.
+        unsafe {
+            let mut acc0 = [_mm256_setzero_ps(); R];
+            let mut acc1 = [_mm256_setzero_ps(); R];
+            let mut min0 = [0f32; R];
+            let mut min1 = [0f32; R];
+            let pairs = w.len() / 2;
+            for p in 0..pairs {
+                let i = 2 * p;
+                step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
+                step::<R, SIGNED>(
+                    decode(w.get_unchecked(i + 1)),
+                    i + 1,
+                    a,
+                    &mut acc1,
+                    &mut min1,
+                );
+            }
+            if w.len() % 2 == 1 {
+                let i = w.len() - 1;
+                step::<R, SIGNED>(decode(w.get_unchecked(i)), i, a, &mut acc0, &mut min0);
+            }
+            for r in 0..R {
+                out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + (min0[r] + min1[r]);
+            }
         }
     }
 
@@ -364,10 +400,14 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        drive32::<_, R, true>(w, a, out, |b| {
-            let qx = _mm256_sub_epi8(nibbles32(b.qs.as_ptr()), _mm256_set1_epi8(8));
-            (qx, f16_to_f32(b.d), 0.0)
-        })
+        // SAFETY: the caller guarantees every `a[r]` is as long as `w`; the target features
+        // `drive32` and its helpers need are enabled on this function.
+        unsafe {
+            drive32::<_, R, true>(w, a, out, |b| {
+                let qx = _mm256_sub_epi8(nibbles32(b.qs.as_ptr()), _mm256_set1_epi8(8));
+                (qx, f16_to_f32(b.d), 0.0)
+            })
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -376,7 +416,8 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        drive32::<_, R, true>(w, a, out, |b| (load(&b.qs), f16_to_f32(b.d), 0.0))
+        // SAFETY: as in `q4_0`: rows as long as `w`, target features enabled here.
+        unsafe { drive32::<_, R, true>(w, a, out, |b| (load(&b.qs), f16_to_f32(b.d), 0.0)) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -385,11 +426,14 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        drive32::<_, R, true>(w, a, out, |b| {
-            let hi = _mm256_andnot_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0xF0u8 as i8));
-            let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
-            (qx, f16_to_f32(b.d), 0.0)
-        })
+        // SAFETY: as in `q4_0`: rows as long as `w`, target features enabled here.
+        unsafe {
+            drive32::<_, R, true>(w, a, out, |b| {
+                let hi = _mm256_andnot_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0xF0u8 as i8));
+                let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
+                (qx, f16_to_f32(b.d), 0.0)
+            })
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -398,9 +442,12 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        drive32::<_, R, false>(w, a, out, |b| {
-            (nibbles32(b.qs.as_ptr()), f16_to_f32(b.d), f16_to_f32(b.m))
-        })
+        // SAFETY: as in `q4_0`: rows as long as `w`, target features enabled here.
+        unsafe {
+            drive32::<_, R, false>(w, a, out, |b| {
+                (nibbles32(b.qs.as_ptr()), f16_to_f32(b.d), f16_to_f32(b.m))
+            })
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -409,18 +456,24 @@ mod avx2 {
         a: &[&[Q8Block]; R],
         out: &mut [f32; R],
     ) {
-        drive32::<_, R, false>(w, a, out, |b| {
-            let hi = _mm256_and_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0x10));
-            let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
-            (qx, f16_to_f32(b.d), f16_to_f32(b.m))
-        })
+        // SAFETY: as in `q4_0`: rows as long as `w`, target features enabled here.
+        unsafe {
+            drive32::<_, R, false>(w, a, out, |b| {
+                let hi = _mm256_and_si256(bits32(b.qh.as_ptr()), _mm256_set1_epi8(0x10));
+                let qx = _mm256_or_si256(nibbles32(b.qs.as_ptr()), hi);
+                (qx, f16_to_f32(b.d), f16_to_f32(b.m))
+            })
+        }
     }
 
     /// Sums of 16 i16 bsums pairwise -> the 8 per-32 sums as i16 in a 128-bit vector.
     #[inline(always)]
     unsafe fn bsums32(y: &Q8KBlock) -> __m128i {
-        let s = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-        _mm_hadd_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1))
+        // SAFETY: reads the 16 `i16` block sums of `y` (32 bytes); AVX2 is enabled in callers.
+        unsafe {
+            let s = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+            _mm_hadd_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1))
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -429,67 +482,74 @@ mod avx2 {
         a: &[&[Q8KBlock]; R],
         out: &mut [f32; R],
     ) {
-        const KM1: u32 = 0x3f3f3f3f;
-        const KM2: u32 = 0x0f0f0f0f;
-        const KM3: u32 = 0x03030303;
-        let m4 = _mm256_set1_epi8(0xF);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut acc_m = [_mm_setzero_ps(); R];
-        for (i, b) in w.iter().enumerate() {
-            let mut u = [0u32; 4];
-            std::ptr::copy_nonoverlapping(b.scales.as_ptr(), u.as_mut_ptr() as *mut u8, 12);
-            u[3] = ((u[2] >> 4) & KM2) | (((u[1] >> 6) & KM3) << 4);
-            let aux = u[1] & KM1;
-            u[1] = (u[2] & KM2) | (((u[0] >> 6) & KM3) << 4);
-            u[2] = aux;
-            u[0] &= KM1;
-            let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
-                u[3] as i32,
-                u[2] as i32,
-                u[1] as i32,
-                u[0] as i32,
-            ));
-            let mins = _mm256_extracti128_si256(ms, 1);
-            let sc128 = _mm256_castsi256_si128(ms);
-            let scales = _mm256_set_m128i(sc128, sc128);
-            let (dw, dminw) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
-            let mut sumi = [_mm256_setzero_si256(); R];
-            for r in 0..R {
-                let y = a[r].get_unchecked(i);
-                let prod = _mm_madd_epi16(mins, bsums32(y));
-                acc_m[r] = _mm_fmadd_ps(_mm_set1_ps(-y.d * dminw), _mm_cvtepi32_ps(prod), acc_m[r]);
-            }
-            for j in 0..4 {
-                let sl = _mm256_shuffle_epi8(
-                    scales,
-                    _mm256_set1_epi16(0x0100 + 0x0202 * (2 * j as i16)),
-                );
-                let sh = _mm256_shuffle_epi8(
-                    scales,
-                    _mm256_set1_epi16(0x0100 + 0x0202 * (2 * j as i16 + 1)),
-                );
-                let q4 = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
-                let q4l = _mm256_and_si256(q4, m4);
-                let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        // SAFETY: every `a[r]` is as long as `w` (the caller's contract), so `get_unchecked(i)`
+        // is in bounds; loads read inside one 256-weight block (`qs` 128 bytes, the
+        // activation's 256 `qs`), the scale copy is the block's 12 bytes; features enabled here.
+        unsafe {
+            const KM1: u32 = 0x3f3f3f3f;
+            const KM2: u32 = 0x0f0f0f0f;
+            const KM3: u32 = 0x03030303;
+            let m4 = _mm256_set1_epi8(0xF);
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut acc_m = [_mm_setzero_ps(); R];
+            for (i, b) in w.iter().enumerate() {
+                let mut u = [0u32; 4];
+                std::ptr::copy_nonoverlapping(b.scales.as_ptr(), u.as_mut_ptr() as *mut u8, 12);
+                u[3] = ((u[2] >> 4) & KM2) | (((u[1] >> 6) & KM3) << 4);
+                let aux = u[1] & KM1;
+                u[1] = (u[2] & KM2) | (((u[0] >> 6) & KM3) << 4);
+                u[2] = aux;
+                u[0] &= KM1;
+                let ms = _mm256_cvtepu8_epi16(_mm_set_epi32(
+                    u[3] as i32,
+                    u[2] as i32,
+                    u[1] as i32,
+                    u[0] as i32,
+                ));
+                let mins = _mm256_extracti128_si256(ms, 1);
+                let sc128 = _mm256_castsi256_si128(ms);
+                let scales = _mm256_set_m128i(sc128, sc128);
+                let (dw, dminw) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
+                let mut sumi = [_mm256_setzero_si256(); R];
                 for r in 0..R {
-                    let q8 = a[r].get_unchecked(i).qs.as_ptr().add(64 * j);
-                    let q8l = _mm256_loadu_si256(q8 as *const __m256i);
-                    let q8h = _mm256_loadu_si256(q8.add(32) as *const __m256i);
-                    let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(q4l, q8l));
-                    let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(q4h, q8h));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                    let y = a[r].get_unchecked(i);
+                    let prod = _mm_madd_epi16(mins, bsums32(y));
+                    acc_m[r] =
+                        _mm_fmadd_ps(_mm_set1_ps(-y.d * dminw), _mm_cvtepi32_ps(prod), acc_m[r]);
+                }
+                for j in 0..4 {
+                    let sl = _mm256_shuffle_epi8(
+                        scales,
+                        _mm256_set1_epi16(0x0100 + 0x0202 * (2 * j as i16)),
+                    );
+                    let sh = _mm256_shuffle_epi8(
+                        scales,
+                        _mm256_set1_epi16(0x0100 + 0x0202 * (2 * j as i16 + 1)),
+                    );
+                    let q4 = _mm256_loadu_si256(b.qs.as_ptr().add(32 * j) as *const __m256i);
+                    let q4l = _mm256_and_si256(q4, m4);
+                    let q4h = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+                    for r in 0..R {
+                        let q8 = a[r].get_unchecked(i).qs.as_ptr().add(64 * j);
+                        let q8l = _mm256_loadu_si256(q8 as *const __m256i);
+                        let q8h = _mm256_loadu_si256(q8.add(32) as *const __m256i);
+                        let pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(q4l, q8l));
+                        let ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(q4h, q8h));
+                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                    }
+                }
+                for r in 0..R {
+                    let d = a[r].get_unchecked(i).d * dw;
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
                 }
             }
             for r in 0..R {
-                let d = a[r].get_unchecked(i).d * dw;
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+                let m = acc_m[r];
+                let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+                let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+                out[r] = hsum(acc[r]) + _mm_cvtss_f32(m);
             }
-        }
-        for r in 0..R {
-            let m = acc_m[r];
-            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-            out[r] = hsum(acc[r]) + _mm_cvtss_f32(m);
         }
     }
 
@@ -499,76 +559,84 @@ mod avx2 {
         a: &[&[Q8KBlock]; R],
         out: &mut [f32; R],
     ) {
-        let m4 = _mm256_set1_epi8(0xF);
-        let m2 = _mm256_set1_epi8(3);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for (i, b) in w.iter().enumerate() {
-            let sc8 = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
-            // 32 * sum over 16-groups of scale * bsum: the "- 32" of every quant.
-            let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let mut sumi = [_mm256_setzero_si256(); R];
-            for r in 0..R {
-                let y = a[r].get_unchecked(i);
-                let bs = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-                sumi[r] =
-                    _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
-            }
-            for h in 0..2 {
-                let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h) as *const __m256i);
-                let ql2 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h + 32) as *const __m256i);
-                let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * h) as *const __m256i);
-                let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4);
-                let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4);
-                let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4);
-                let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4);
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), h0),
-                    _mm256_or_si256(_mm256_and_si256(ql2, m4), h1),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h2),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4), h3),
-                ];
-                let mut s = [_mm256_setzero_si256(); 4];
-                for (c, sc) in s.iter_mut().enumerate() {
-                    // scales[8h + 2c] for the first 16 quants, [8h + 2c + 1] for the next 16.
-                    let k = (8 * h + 2 * c) as i8;
-                    let shuf = _mm_set_epi8(
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k + 1,
-                        k,
-                        k,
-                        k,
-                        k,
-                        k,
-                        k,
-                        k,
-                        k,
+        // SAFETY: every `a[r]` is as long as `w` (the caller's contract), so `get_unchecked(i)`
+        // is in bounds; loads read inside one block (`ql` 128, `qh` 64, `scales` 16 bytes,
+        // the activation's `qs` and `bsums`); features enabled here.
+        unsafe {
+            let m4 = _mm256_set1_epi8(0xF);
+            let m2 = _mm256_set1_epi8(3);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (i, b) in w.iter().enumerate() {
+                let sc8 = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+                // 32 * sum over 16-groups of scale * bsum: the "- 32" of every quant.
+                let sc16 = _mm256_cvtepi8_epi16(sc8);
+                let mut sumi = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    let y = a[r].get_unchecked(i);
+                    let bs = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
+                    sumi[r] = _mm256_sub_epi32(
+                        sumi[r],
+                        _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5),
                     );
-                    *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, shuf));
+                }
+                for h in 0..2 {
+                    let ql1 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h) as *const __m256i);
+                    let ql2 = _mm256_loadu_si256(b.ql.as_ptr().add(64 * h + 32) as *const __m256i);
+                    let qh = _mm256_loadu_si256(b.qh.as_ptr().add(32 * h) as *const __m256i);
+                    let h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4);
+                    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4);
+                    let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4);
+                    let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4);
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(ql1, m4), h0),
+                        _mm256_or_si256(_mm256_and_si256(ql2, m4), h1),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h2),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4), h3),
+                    ];
+                    let mut s = [_mm256_setzero_si256(); 4];
+                    for (c, sc) in s.iter_mut().enumerate() {
+                        // scales[8h + 2c] for the first 16 quants, [8h + 2c + 1] for the next 16.
+                        let k = (8 * h + 2 * c) as i8;
+                        let shuf = _mm_set_epi8(
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k + 1,
+                            k,
+                            k,
+                            k,
+                            k,
+                            k,
+                            k,
+                            k,
+                            k,
+                        );
+                        *sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, shuf));
+                    }
+                    for r in 0..R {
+                        let q8 = a[r].get_unchecked(i).qs.as_ptr().add(128 * h);
+                        let mut t = _mm256_setzero_si256();
+                        for c in 0..4 {
+                            let y = _mm256_loadu_si256(q8.add(32 * c) as *const __m256i);
+                            let p = _mm256_madd_epi16(s[c], _mm256_maddubs_epi16(q[c], y));
+                            t = _mm256_add_epi32(t, p);
+                        }
+                        sumi[r] = _mm256_add_epi32(sumi[r], t);
+                    }
                 }
                 for r in 0..R {
-                    let q8 = a[r].get_unchecked(i).qs.as_ptr().add(128 * h);
-                    let mut t = _mm256_setzero_si256();
-                    for c in 0..4 {
-                        let y = _mm256_loadu_si256(q8.add(32 * c) as *const __m256i);
-                        let p = _mm256_madd_epi16(s[c], _mm256_maddubs_epi16(q[c], y));
-                        t = _mm256_add_epi32(t, p);
-                    }
-                    sumi[r] = _mm256_add_epi32(sumi[r], t);
+                    let d = a[r].get_unchecked(i).d * f16_to_f32(b.d);
+                    acc[r] =
+                        _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
                 }
             }
             for r in 0..R {
-                let d = a[r].get_unchecked(i).d * f16_to_f32(b.d);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+                out[r] = hsum(acc[r]);
             }
-        }
-        for r in 0..R {
-            out[r] = hsum(acc[r]);
         }
     }
 }

@@ -192,7 +192,6 @@ impl<'a> QMatrix<'a> {
     /// # Safety
     /// `out` points to an `m * n` buffer where no one else writes columns `j0..j1`; `acts`
     /// holds the formats this type needs.
-    #[deny(unsafe_op_in_unsafe_fn)]
     unsafe fn run(&self, acts: &Acts, m: usize, j0: usize, j1: usize, out: OutPtr, isa: Isa) {
         use matmul::run_rows;
         // SAFETY: this function's contract is the kernels' (`out` is an `m * n` buffer whose

@@ -19,8 +19,6 @@
 //! [`STRAGGLER`] in a row it runs the next [`SERIAL_JOBS`] jobs alone (the workers park and
 //! leave their core to the other process), then tries the pool again.
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;

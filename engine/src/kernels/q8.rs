@@ -8,8 +8,6 @@
 //!   comes from the signed value of largest magnitude, `d` stays f32, and `bsums` holds the
 //!   sums of each 16 quants.
 
-#![deny(unsafe_op_in_unsafe_fn)]
-
 use super::blocks::{QK, QK_K};
 use half::f16;
 

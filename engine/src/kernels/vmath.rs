@@ -73,116 +73,144 @@ mod x86 {
     /// Cephes' degree-5 polynomial; inputs clamped to +-88.376 (so no inf/NaN).
     #[inline(always)]
     pub unsafe fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-88.376_26));
-        let fx = _mm256_floor_ps(_mm256_fmadd_ps(
-            x,
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-            _mm256_set1_ps(0.5),
-        ));
-        // r = x - n ln2 in two steps (ln2 = C1 + C2, C1 exact in few bits).
-        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        // SAFETY: register-only AVX2/FMA arithmetic; callers run with AVX2 and FMA enabled.
+        unsafe {
+            let x = _mm256_min_ps(x, _mm256_set1_ps(88.376_26));
+            let x = _mm256_max_ps(x, _mm256_set1_ps(-88.376_26));
+            let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+                x,
+                _mm256_set1_ps(std::f32::consts::LOG2_E),
+                _mm256_set1_ps(0.5),
+            ));
+            // r = x - n ln2 in two steps (ln2 = C1 + C2, C1 exact in few bits).
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), r);
+            let mut y = _mm256_set1_ps(1.987_569_1e-4);
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
+                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+            }
+            let z = _mm256_mul_ps(r, r);
+            let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
+            let n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+            let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(n));
+            _mm256_mul_ps(y, pow2n)
         }
-        let z = _mm256_mul_ps(r, r);
-        let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
-        let n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-        let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(n));
-        _mm256_mul_ps(y, pow2n)
     }
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
     }
 
     #[inline(always)]
     unsafe fn hmax(v: __m256) -> f32 {
-        let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_max_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
+        unsafe {
+            let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_max_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_in_place(x: &mut [f32]) {
-        let mut c = x.chunks_exact_mut(8);
-        for v in &mut c {
-            _mm256_storeu_ps(v.as_mut_ptr(), exp8(_mm256_loadu_ps(v.as_ptr())));
+        // SAFETY: each load and store covers one 8-value chunk of `x` (`chunks_exact_mut`);
+        // the features `exp8` needs are enabled on this function.
+        unsafe {
+            let mut c = x.chunks_exact_mut(8);
+            for v in &mut c {
+                _mm256_storeu_ps(v.as_mut_ptr(), exp8(_mm256_loadu_ps(v.as_ptr())));
+            }
+            tail(c.into_remainder(), |v| exp8(v));
         }
-        tail(c.into_remainder(), |v| exp8(v));
     }
 
     /// Applies `f` to a slice shorter than 8 through a padded vector.
     #[inline(always)]
     unsafe fn tail(x: &mut [f32], f: impl Fn(__m256) -> __m256) {
-        if x.is_empty() {
-            return;
+        // SAFETY: loads and stores touch only the local 8-value buffer; AVX is enabled in
+        // callers.
+        unsafe {
+            if x.is_empty() {
+                return;
+            }
+            let mut buf = [0f32; 8];
+            buf[..x.len()].copy_from_slice(x);
+            _mm256_storeu_ps(buf.as_mut_ptr(), f(_mm256_loadu_ps(buf.as_ptr())));
+            let n = x.len();
+            x.copy_from_slice(&buf[..n]);
         }
-        let mut buf = [0f32; 8];
-        buf[..x.len()].copy_from_slice(x);
-        _mm256_storeu_ps(buf.as_mut_ptr(), f(_mm256_loadu_ps(buf.as_ptr())));
-        let n = x.len();
-        x.copy_from_slice(&buf[..n]);
     }
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn softmax(v: &mut [f32]) {
-        let n8 = v.len() / 8 * 8;
-        let p = v.as_mut_ptr();
-        let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
-        for i in (0..n8).step_by(8) {
-            mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+        // SAFETY: `i + 8 <= n8 <= v.len()` for every load and store through `p`; the
+        // features `exp8` needs are enabled on this function.
+        unsafe {
+            let n8 = v.len() / 8 * 8;
+            let p = v.as_mut_ptr();
+            let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+            for i in (0..n8).step_by(8) {
+                mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+            }
+            let m = v[n8..].iter().fold(hmax(mv), |a, &b| a.max(b));
+            let mb = _mm256_set1_ps(m);
+            let mut sv = _mm256_setzero_ps();
+            for i in (0..n8).step_by(8) {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mb));
+                _mm256_storeu_ps(p.add(i), e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            let rest = &mut v[n8..];
+            tail(rest, |x| exp8(_mm256_sub_ps(x, mb)));
+            let l = rest.iter().fold(hsum(sv), |a, &b| a + b);
+            let inv = _mm256_set1_ps(1.0 / l);
+            for i in (0..n8).step_by(8) {
+                _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+            }
+            v[n8..].iter_mut().for_each(|e| *e /= l);
         }
-        let m = v[n8..].iter().fold(hmax(mv), |a, &b| a.max(b));
-        let mb = _mm256_set1_ps(m);
-        let mut sv = _mm256_setzero_ps();
-        for i in (0..n8).step_by(8) {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), mb));
-            _mm256_storeu_ps(p.add(i), e);
-            sv = _mm256_add_ps(sv, e);
-        }
-        let rest = &mut v[n8..];
-        tail(rest, |x| exp8(_mm256_sub_ps(x, mb)));
-        let l = rest.iter().fold(hsum(sv), |a, &b| a + b);
-        let inv = _mm256_set1_ps(1.0 / l);
-        for i in (0..n8).step_by(8) {
-            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
-        }
-        v[n8..].iter_mut().for_each(|e| *e /= l);
     }
 
     #[inline(always)]
     unsafe fn silu8(g: __m256, u: __m256) -> __m256 {
-        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        let den = _mm256_add_ps(_mm256_set1_ps(1.0), e);
-        _mm256_mul_ps(_mm256_div_ps(g, den), u)
+        // SAFETY: register-only AVX2/FMA arithmetic; callers run with both enabled.
+        unsafe {
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            let den = _mm256_add_ps(_mm256_set1_ps(1.0), e);
+            _mm256_mul_ps(_mm256_div_ps(g, den), u)
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn silu_mul(g: &mut [f32], u: &[f32]) {
-        let n8 = g.len() / 8 * 8;
-        let (gp, up) = (g.as_mut_ptr(), u.as_ptr());
-        for i in (0..n8).step_by(8) {
-            _mm256_storeu_ps(
-                gp.add(i),
-                silu8(_mm256_loadu_ps(gp.add(i)), _mm256_loadu_ps(up.add(i))),
-            );
-        }
-        for i in n8..g.len() {
-            g[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+        // SAFETY: the caller asserted `u.len() == g.len()`, so `i + 8 <= n8` keeps every load
+        // and store inside `g` and `u`; AVX2/FMA are enabled on this function.
+        unsafe {
+            let n8 = g.len() / 8 * 8;
+            let (gp, up) = (g.as_mut_ptr(), u.as_ptr());
+            for i in (0..n8).step_by(8) {
+                _mm256_storeu_ps(
+                    gp.add(i),
+                    silu8(_mm256_loadu_ps(gp.add(i)), _mm256_loadu_ps(up.add(i))),
+                );
+            }
+            for i in n8..g.len() {
+                g[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+            }
         }
     }
 }

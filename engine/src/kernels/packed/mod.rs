@@ -188,28 +188,34 @@ impl Packed {
     /// else writes columns `j0..j1`.
     #[cfg(target_arch = "x86_64")]
     pub unsafe fn run(&self, acts: &[Q8Block], m: usize, j0: usize, j1: usize, out: *mut f32) {
-        let lanes = self.lanes();
-        debug_assert!(j0.is_multiple_of(lanes) && j1.is_multiple_of(lanes) && j1 <= self.n);
-        let nb = self.k / QK;
-        assert_eq!(acts.len(), m * nb, "activation blocks");
-        let gb = self.group_bytes();
-        let bb = gb / nb;
-        let kind = kind(self.ty);
-        let pf = prefetch_distance();
-        let mut r0 = 0;
-        while r0 < m {
-            let rows = (m - r0).min(4);
-            let a = &acts[r0 * nb..];
-            for g in j0 / lanes..j1 / lanes {
-                let w = &self.data[g * gb..(g + 1) * gb];
-                let o = out.add(r0 * self.n + g * lanes);
-                if self.isa == Isa::Avx512Vnni {
-                    dispatch!(avx512, kind, rows, w, nb, bb, a, o, self.n, pf);
-                } else {
-                    dispatch!(avx2, kind, rows, w, nb, bb, a, o, self.n, pf);
+        // SAFETY: the caller guarantees `self.isa` runs here and that columns `j0..j1` of the
+        // `m * n` buffer at `out` are ours; `acts` holds `m * nb` blocks (asserted), so the
+        // kernels read `rows <= 4` activation rows of `nb` blocks from `a` and one packed group
+        // `w`, and write `rows` output rows of `lanes` columns at `o`, inside that range.
+        unsafe {
+            let lanes = self.lanes();
+            debug_assert!(j0.is_multiple_of(lanes) && j1.is_multiple_of(lanes) && j1 <= self.n);
+            let nb = self.k / QK;
+            assert_eq!(acts.len(), m * nb, "activation blocks");
+            let gb = self.group_bytes();
+            let bb = gb / nb;
+            let kind = kind(self.ty);
+            let pf = prefetch_distance();
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = (m - r0).min(4);
+                let a = &acts[r0 * nb..];
+                for g in j0 / lanes..j1 / lanes {
+                    let w = &self.data[g * gb..(g + 1) * gb];
+                    let o = out.add(r0 * self.n + g * lanes);
+                    if self.isa == Isa::Avx512Vnni {
+                        dispatch!(avx512, kind, rows, w, nb, bb, a, o, self.n, pf);
+                    } else {
+                        dispatch!(avx2, kind, rows, w, nb, bb, a, o, self.n, pf);
+                    }
                 }
+                r0 += rows;
             }
-            r0 += rows;
         }
     }
 }
@@ -241,14 +247,18 @@ fn prefetch_distance() -> usize {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch(at: *const u8, len: usize, dist: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    if dist == 0 {
-        return;
-    }
-    let mut o = 0;
-    while o < len {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(dist + o) as *const i8);
-        o += 64;
+    // SAFETY: a prefetch never faults, whatever the address (`wrapping_add`); SSE is
+    // baseline on x86-64.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        if dist == 0 {
+            return;
+        }
+        let mut o = 0;
+        while o < len {
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(dist + o) as *const i8);
+            o += 64;
+        }
     }
 }
 
