@@ -2,9 +2,9 @@
 //! ConfigMap, the engine Deployment, Service and PodDisruptionBudget, the SLO autoscaler's
 //! decision, the cost-table push to ready pods; then the status. One reconcile runs in
 //! phases over one state per pool (`phases.rs`); this file holds the controller's side
-//! (context, per-deployment memory, error backoff and reporting) and the shared writers. Everything is written with
-//! server-side apply under one field manager; every decision is published as an Event; errors
-//! back off exponentially per object.
+//! (context, per-deployment memory, error backoff and reporting) and the shared writers.
+//! Everything is written with server-side apply under one field manager; every decision is
+//! published as an Event; errors back off exponentially per object.
 
 pub mod costs;
 pub mod model;
