@@ -893,6 +893,45 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
         assert_eq!(code, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], param, "{extra}: {e}");
     }
+    // A schema whose shortest output needs more tokens than max_tokens allows is a 400
+    // naming max_tokens and the bound; with room, the same schema completes, in no fewer
+    // tokens than the bound said (it is a lower bound).
+    let props: serde_json::Map<String, Value> = (0..48)
+        .map(|i| {
+            (
+                format!("required_property_number_{i:02}"),
+                json!({"type": "integer"}),
+            )
+        })
+        .collect();
+    let names: Vec<&String> = props.keys().collect();
+    let wide = json!({"type": "object", "properties": props, "required": names,
+        "additionalProperties": false});
+    let body = |max_tokens: usize| {
+        chat(
+            "Fill in the form as JSON.",
+            json!({"max_tokens": max_tokens, "temperature": 0, "response_format":
+                {"type": "json_schema", "json_schema": {"name": "form", "schema": wide, "strict": true}}}),
+        )
+    };
+    let (code, e) = post(&plain.base, "/v1/chat/completions", body(4));
+    assert_eq!(code, 400, "{e}");
+    assert_eq!(e["error"]["param"], "max_tokens", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    let need: u64 = msg
+        .split("at least ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no bound in {msg:?}"));
+    assert!(need > 4, "{msg}");
+    let (got, r) = answer(&plain.base, &body(1000));
+    let form: Value = serde_json::from_str(&got).expect("the wide schema's output parses");
+    assert_eq!(form.as_object().unwrap().len(), 48, "{form}");
+    assert!(
+        r["usage"]["completion_tokens"].as_u64().unwrap() >= need,
+        "the bound {need} is above a real output's length: {r}"
+    );
 }
 
 /// A request cancelled mid-stream leaves the prefix cache consistent: the same request

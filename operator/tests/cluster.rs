@@ -23,6 +23,15 @@ use dspark_operator::reconcile::{controller, error_policy, reconcile, Context};
 
 /// A client for the test cluster, or `None` (after saying why) when there is none.
 async fn cluster(test: &str) -> Option<Client> {
+    // The operator's log goes to the test's captured output (shown when it fails):
+    // warnings and what each reconcile did, so a timeout says which call kept failing.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,dspark_operator=info".into()),
+        )
+        .try_init();
     let require = std::env::var("DSPARK_REQUIRE_CLUSTER").as_deref() == Ok("1");
     let skip = |why: String| {
         if require {

@@ -117,7 +117,11 @@ pub async fn respond<R: Render>(
     }
     let constraint = match &v.grammar {
         None => None,
-        Some((param, spec)) => Some(compile(st, param, spec.clone()).await?),
+        Some((param, spec)) => {
+            let c = compile(st, param, spec.clone()).await?;
+            fits_max_tokens(st, param, spec, &prompts)?;
+            Some(c)
+        }
     };
     st.inflight.fetch_add(1, Ordering::SeqCst);
     let guard = InflightGuard(st.clone());
@@ -184,6 +188,31 @@ pub async fn respond<R: Render>(
         });
     }
     Ok(Json(render.answer(choices, usage)).into_response())
+}
+
+/// Refuses a constraint no output within `max_tokens` can complete: its shortest text takes
+/// more tokens of this model's vocabulary than the request allows (a sound lower bound, so
+/// a request that could complete is never refused).
+fn fits_max_tokens(
+    st: &AppState,
+    param: &'static str,
+    spec: &crate::constraint::GrammarSpec,
+    prompts: &[PromptIds],
+) -> Result<(), ApiError> {
+    let Some(g) = &st.grammars else { return Ok(()) };
+    let need = g.min_tokens(spec);
+    match prompts.iter().map(|p| p.max_tokens).min() {
+        Some(max) if max < need => Err(ApiError::invalid(
+            "max_tokens",
+            format!(
+                "the {param} constraint cannot be completed within max_tokens = {max}: its \
+                 shortest output is {} bytes, at least {need} tokens of this model's \
+                 vocabulary; raise max_tokens to {need} or more",
+                crate::constraint::min_output_bytes(spec)
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Compiles a structured-output grammar off the async runtime; errors name `param`.
