@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown tables from `dspark-engine eval --json` files: tau, per-position acceptance and
+"""Markdown tables from `dspark-train eval --json` files: tau, per-position acceptance and
 ECE per (drafter, domain), and each drafter's tau relative to a baseline drafter (default
 `parallel`), per domain and averaged over domains (the issue's "Markov tau >= 1.2x parallel").
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # System libraries the Rust build links: fontconfig + freetype (and a font) for the
-# engine's `plots` feature (`eval --plots` draws text with a system font). Run by
+# `dspark-train`'s `plots` feature (`eval --plots` draws text with a system font). Run by
 # `make build`, so `make demo` and `make test` both get them on a fresh machine; a no-op
 # when they are present.
 set -euo pipefail

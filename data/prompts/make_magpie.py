@@ -7,7 +7,7 @@ disjoint eval prompts its first-position acceptance drops from ~0.5 to ~0.35. He
 target writes the user turns: the chat template is opened up to a user turn, steered by a
 domain system prompt and one example exchange, and the model samples (T = 1, top-p 0.95)
 what a user would ask. The target then answers these prompts greedily when the dataset is
-generated (`dspark-engine train --prompts train-magpie.jsonl --generate-only`), so the
+generated (`dspark-train train --prompts train-magpie.jsonl --generate-only`), so the
 drafter is distilled on the target's own distribution over inputs as well as outputs.
 
 Kept: user turns that ended by themselves (finish_reason "stop"), 20..600 characters,

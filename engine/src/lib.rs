@@ -9,15 +9,16 @@
 //! verify scheduler, lossless verification, behind one `Speculator` the step loop calls),
 //! the online policy experiment ([`experiment`]), the SPS(B) and draft-time cost table in
 //! force ([`cost`]) and its measurement
-//! ([`profile`]), drafter training and evaluation ([`train`]), the loaders every subcommand shares
-//! ([`loader`]: device, threads, model + tokenizer, drafter), the `serve` wiring ([`runtime`]), model sources fetched into a shared cache ([`source`]:
+//! ([`profile`]), the loaders every subcommand shares
+//! ([`loader`]: device, threads, model + tokenizer, drafter; drafter training in the
+//! `dspark-train` crate loads through them too), the `serve` wiring ([`runtime`]), model sources fetched into a shared cache ([`source`]:
 //! `hf://`, `s3://`, `https://`),
 //! the OpenAI-compatible HTTP API ([`server`]) and its metrics ([`metrics`]). Cost-table
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
 //!
 //! Layering: `kernels` <- `model` <- `speculative` <- `engine` <- `server`; `runtime` wires
-//! them for `serve`; `loader` sits below `engine` (training and profiling load through it,
-//! never through `runtime` or `server`); nothing below `engine` imports from it or from
+//! them for `serve`; `loader` sits below `engine` (profiling and `dspark-train` load through
+//! it, never through `runtime` or `server`); nothing below `engine` imports from it or from
 //! `server`. `unsafe` lives only in
 //! `kernels` (SIMD, the thread pool) and `model` (memory-mapped weights, SIMD attention),
 //! each block with its SAFETY note; every other module forbids it. Even inside an
@@ -57,14 +58,14 @@ pub mod server;
 pub mod source;
 #[forbid(unsafe_code)]
 pub mod speculative;
-#[cfg(test)]
-pub(crate) mod testutil;
+/// Test fixtures; other crates' tests get them with the `testutil` feature.
+#[cfg(any(test, feature = "testutil"))]
+#[forbid(unsafe_code)]
+pub mod testutil;
 #[forbid(unsafe_code)]
 pub mod tokenizer;
 #[forbid(unsafe_code)]
 pub mod tools;
-#[forbid(unsafe_code)]
-pub mod train;
 
 /// Engine version, recorded in cost tables.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -148,7 +148,7 @@ pub fn build_drafter(
             if c.sts_temperatures.is_none() && c.sts_temperatures_greedy.is_none() {
                 tracing::warn!(
                     drafter = %p.display(),
-                    "the drafter has no STS temperatures: they default to 1, so the scheduler runs on uncalibrated confidences until online recalibration (--online-calibration) or `dspark-engine calibrate` has run"
+                    "the drafter has no STS temperatures: they default to 1, so the scheduler runs on uncalibrated confidences until online recalibration (--online-calibration) or `dspark-train calibrate` has run"
                 );
             }
             d

@@ -1,4 +1,5 @@
-//! `dspark-engine` command line: `serve` (and more subcommands as they land).
+//! `dspark-engine` command line: `serve`, `profile`, `convert`, `experiment-report`, `fetch`.
+//! Drafter training, calibration and evaluation are `dspark-train` (crate `train/`).
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -27,15 +28,9 @@ enum Cmd {
     Serve(ServeArgs),
     /// Measure SPS(B) (target forwards per second at B batch tokens) and write a cost table.
     Profile(ProfileArgs),
-    /// Train a drafter on self-distilled data (generated first if missing).
-    Train(dspark_engine::train::cli::TrainArgs),
-    /// Fit the STS temperatures of a drafter on held-out data.
-    Calibrate(dspark_engine::train::cli::CalibrateArgs),
-    /// Measure acceptance (tau, per position), calibration and speed of drafters.
-    Eval(dspark_engine::train::cli::EvalArgs),
     /// Rewrite a drafter checkpoint: between layouts (native, DeepSpec DSpark, z-lab DFlash)
     /// and/or with --compact-w1.
-    Convert(dspark_engine::train::cli::ConvertArgs),
+    Convert(dspark_engine::speculative::dspark::convert::ConvertArgs),
     /// Summarise an online policy experiment (serve --policy-experiment): per-arm
     /// throughput, per-user rate and load, and each arm's throughput ratio over the baseline
     /// from load-matched neighbouring windows with a 95 % confidence interval.
@@ -251,10 +246,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Serve(a) => serve(a),
         Cmd::Profile(a) => profile(a),
-        Cmd::Train(a) => dspark_engine::train::cli::run_train(a),
-        Cmd::Calibrate(a) => dspark_engine::train::cli::run_calibrate(a),
-        Cmd::Eval(a) => dspark_engine::train::cli::run_eval(a),
-        Cmd::Convert(a) => dspark_engine::train::cli::run_convert(a),
+        Cmd::Convert(a) => dspark_engine::speculative::dspark::convert::run(a),
         Cmd::ExperimentReport(a) => experiment_report(a),
         Cmd::Fetch(a) => fetch(a),
     }

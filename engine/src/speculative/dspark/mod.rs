@@ -39,6 +39,7 @@
 //! holds the drafter itself and the small numeric helpers they share.
 
 mod config;
+pub mod convert;
 mod forward;
 mod head;
 pub mod layout;

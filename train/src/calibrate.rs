@@ -15,13 +15,13 @@
 //! The same pass measures teacher-forced acceptance: per-position conditional acceptance and
 //! `tau = 1 + sum_k s_k` per mode, a cheap held-out proxy for the decoding-time `eval`.
 
-use super::data::Dataset;
-use super::loss::acceptance_rate;
-use super::model::{Blocks, TrainDrafter};
-use super::{pick_anchors, targets, VocabMap};
-use crate::model::Model;
+use crate::data::Dataset;
+use crate::loss::acceptance_rate;
+use crate::model::{Blocks, TrainDrafter};
+use crate::{pick_anchors, targets, VocabMap};
 use anyhow::{ensure, Result};
 use candle_core::{DType, D};
+use dspark_engine::model::Model;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;

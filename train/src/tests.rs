@@ -1,17 +1,17 @@
 //! Training tests on a tiny random Llama target (a Hugging Face folder written here).
 
-use super::calibrate::{acceptance, ece, fit_sts, sigmoid, Mode, Samples};
-use super::data::{topk_probs, Dataset, DatasetMeta, SeqMeta, Sequence};
-use super::loss::{dspark_loss, LossConfig};
-use super::model::{Blocks, TrainDrafter};
-use super::*;
-use crate::kv::KvCache;
-use crate::model::SeqBatch;
-use crate::sampling::SamplingParams;
-use crate::speculative::dspark::DraftRequest;
+use crate::calibrate::{acceptance, ece, fit_sts, sigmoid, Mode, Samples};
+use crate::data::{topk_probs, Dataset, DatasetMeta, SeqMeta, Sequence};
+use crate::loss::{dspark_loss, LossConfig};
+use crate::model::{Blocks, TrainDrafter};
+use crate::*;
 use candle_core::{Device, Var};
+use dspark_engine::kv::KvCache;
+use dspark_engine::model::SeqBatch;
+use dspark_engine::sampling::SamplingParams;
+use dspark_engine::speculative::dspark::DraftRequest;
 
-use crate::testutil::{scratch_dir, tiny_target, HIDDEN, LAYERS, VOCAB};
+use dspark_engine::testutil::{scratch_dir, tiny_target, HIDDEN, LAYERS, VOCAB};
 const GAMMA: usize = 4;
 const TOPK: usize = 8;
 
@@ -60,7 +60,7 @@ fn synthetic_dataset(target: &Model, layers: &[usize], n: usize, len: usize) -> 
             .collect();
         while tokens.len() < len + 1 {
             let (_, logits) = target_pass(target, &tokens, &[]);
-            tokens.push(crate::model::argmax(logits.last().unwrap()));
+            tokens.push(dspark_engine::model::argmax(logits.last().unwrap()));
         }
         let fed = len;
         let (feats, logits) = target_pass(target, &tokens[..fed], layers);
@@ -300,7 +300,7 @@ fn gradients_match_finite_differences() {
 #[test]
 fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     let target = tiny_target();
-    let layers = crate::speculative::dspark::default_target_layers(LAYERS, 3);
+    let layers = dspark_engine::speculative::dspark::default_target_layers(LAYERS, 3);
     let ds = synthetic_dataset(&target, &layers, 6, 40);
     let eval_loss = |dir: &Path| -> f32 {
         let d = DSparkDrafter::load(dir, &target).unwrap();
@@ -366,7 +366,7 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
     let va = candle_core::safetensors::load(a.join(VARS), &Device::Cpu).unwrap();
     let vb = candle_core::safetensors::load(b.join(VARS), &Device::Cpu).unwrap();
     for (k, x) in &va {
-        let diff = crate::testutil::max_abs_diff(x, &vb[k]);
+        let diff = dspark_engine::testutil::max_abs_diff(x, &vb[k]);
         assert!(diff < 1e-6, "{k} differs after resume by {diff}");
     }
     // The serving checkpoint loads and carries the trained (bf16-rounded) weights.

@@ -11,7 +11,7 @@
 //!
 //! Defaults: `a_ce = 0.1`, `a_l1 = 0.9`, `a_bce = 1.0`, `g = 4`.
 
-use super::model::BlockOut;
+use crate::model::BlockOut;
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor, D};
 use serde::{Deserialize, Serialize};

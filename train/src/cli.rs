@@ -1,17 +1,17 @@
 //! The `train`, `calibrate` and `eval` subcommands (argument structs and drivers; `main.rs`
 //! only dispatches here).
 
-use super::calibrate::{acceptance, collect, fit_sts, Mode};
-use super::data::{self, Dataset, DatasetMeta, GenOptions};
-use super::eval::{aggregate, generate, markdown, Decoding, DomainStats, EvalDrafter};
-use super::loss::LossConfig;
-use super::model::TrainDrafter;
-use super::optim::OptimConfig;
-use super::{train, TrainConfig};
-use crate::loader;
-use crate::speculative::dspark::{default_target_layers, DSparkDrafter, HeadKind, Layout};
-use crate::speculative::recalibrate::OnlineCalibration;
+use crate::calibrate::{acceptance, collect, fit_sts, Mode};
+use crate::data::{self, Dataset, DatasetMeta, GenOptions};
+use crate::eval::{aggregate, generate, markdown, Decoding, DomainStats, EvalDrafter};
+use crate::loss::LossConfig;
+use crate::model::TrainDrafter;
+use crate::optim::OptimConfig;
+use crate::{train, TrainConfig};
 use anyhow::{bail, ensure, Context, Result};
+use dspark_engine::loader;
+use dspark_engine::speculative::dspark::{default_target_layers, DSparkDrafter, HeadKind};
+use dspark_engine::speculative::recalibrate::OnlineCalibration;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::cell::RefCell;
 use std::path::PathBuf;
@@ -110,7 +110,7 @@ pub struct TrainArgs {
 }
 
 /// The dataset folders of `--dataset` (default: the model's cache folder).
-fn dataset_dirs(given: &[PathBuf], model: &crate::model::Model) -> Vec<PathBuf> {
+fn dataset_dirs(given: &[PathBuf], model: &dspark_engine::model::Model) -> Vec<PathBuf> {
     if given.is_empty() {
         vec![data::default_dir(&model.id)]
     } else {
@@ -120,8 +120,8 @@ fn dataset_dirs(given: &[PathBuf], model: &crate::model::Model) -> Vec<PathBuf> 
 
 /// Loads the datasets at `dirs`, generating a single missing one first from `prompts`.
 fn dataset(
-    model: &crate::model::Model,
-    tok: &crate::tokenizer::TextTokenizer,
+    model: &dspark_engine::model::Model,
+    tok: &dspark_engine::tokenizer::TextTokenizer,
     dirs: &[PathBuf],
     a: &TrainArgs,
 ) -> Result<Dataset> {
@@ -295,84 +295,6 @@ pub struct CalibrateArgs {
     /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-}
-
-/// `dspark-engine convert`: rewrites a drafter checkpoint in another form.
-#[derive(clap::Args, Debug)]
-pub struct ConvertArgs {
-    #[arg(long, env = "DSPARK_MODEL")]
-    pub model: PathBuf,
-    /// Drafter checkpoint folder to read: this engine's layout, a DeepSpec DSpark folder or a
-    /// z-lab DFlash folder (detected from its config.json).
-    #[arg(long)]
-    pub drafter: PathBuf,
-    /// Folder to write (config.json, model.safetensors); must differ from --drafter.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Layout to write: `native` (this engine's compact form: the target's embedding and LM
-    /// head are used, not stored), `deepspec` (Qwen3DSparkModel, with copies of the target's
-    /// embedding and LM head) or `dflash` (z-lab DFlashDraftModel; parallel drafters whose
-    /// anchor row is not a draft only).
-    #[arg(long, value_enum, default_value = "native")]
-    pub to: Layout,
-    /// Keep W1 rows for the draft vocabulary only, plus one shared row for every other
-    /// token (the mean of theirs): with a 49k-token target and an 8k draft vocabulary this
-    /// shrinks W1 six-fold. Only anchors outside the draft vocabulary draft differently.
-    #[arg(long)]
-    pub compact_w1: bool,
-}
-
-pub fn run_convert(a: ConvertArgs) -> Result<()> {
-    let same = match (a.drafter.canonicalize(), a.out.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    };
-    ensure!(
-        !same,
-        "--out must differ from --drafter (the input is read, not rewritten)"
-    );
-    let device = candle_core::Device::Cpu;
-    let (model, _) = loader::load(&a.model, &device, true)?;
-    let (mut d, from) = DSparkDrafter::load_layout(&a.drafter, &model)?;
-    ensure!(
-        a.compact_w1 || from != a.to,
-        "nothing to convert: {} is already in the {} layout (pass --to another layout, or --compact-w1)",
-        a.drafter.display(),
-        from.name()
-    );
-    let w1_rows = d.config().w1_rows();
-    if a.to == Layout::Native && d.config().own_embeddings {
-        let (c, diff) = d.without_own_embeddings(&model)?;
-        println!(
-            "the checkpoint's embedding and LM head copies differ from the target's by at most {diff:.3e}; the compact form uses the target's"
-        );
-        if diff > 1e-2 {
-            tracing::warn!(
-                max_abs_diff = diff,
-                "the drafter's stored embedding / LM head are not this target's (another target, or a quantized one): the compact form drafts differently from the checkpoint"
-            );
-        }
-        d = c;
-    }
-    if a.compact_w1 {
-        d = d.compact_w1(&model)?;
-    }
-    d.save_as(&a.out, a.to, &model)?;
-    let size = |dir: &PathBuf| {
-        std::fs::metadata(dir.join("model.safetensors")).map_or(0, |m| m.len()) as f64 / 1e6
-    };
-    println!(
-        "{} ({}, {:.1} MB) -> {} ({}, {:.1} MB): W1 {} -> {} rows",
-        a.drafter.display(),
-        from.name(),
-        size(&a.drafter),
-        a.out.display(),
-        a.to.name(),
-        size(&a.out),
-        w1_rows,
-        d.config().w1_rows()
-    );
-    Ok(())
 }
 
 pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
@@ -608,7 +530,7 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     }
     #[cfg(feature = "plots")]
     if let Some(dir) = &a.plots {
-        for p in super::plots::write_all(&stats, a.gamma, dir)? {
+        for p in crate::plots::write_all(&stats, a.gamma, dir)? {
             eprintln!("plot -> {}", p.display());
         }
     }

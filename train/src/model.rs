@@ -14,15 +14,15 @@
 //! The target's embedding and LM head are inputs, never variables, so they get no gradient
 //! and are never stored.
 
-use crate::model::Model;
-use crate::speculative::dspark::{
-    param_shapes, DSparkConfig, DSparkDrafter, HeadKind, CONF_B, CONF_W, RNN_B, RNN_W, W1, W2,
-};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor, Var, D};
 use candle_nn::ops::{rms_norm_slow as rms_norm, sigmoid};
 use candle_nn::VarMap;
+use dspark_engine::model::Model;
+use dspark_engine::speculative::dspark::{
+    param_shapes, DSparkConfig, DSparkDrafter, HeadKind, CONF_B, CONF_W, RNN_B, RNN_W, W1, W2,
+};
 use std::collections::HashMap;
 
 /// Frozen inputs taken from the target.
@@ -118,8 +118,12 @@ impl TrainDrafter {
             }
         }
         let lm_head = dense_rows(&target.weights.lm_head, cfg.draft_vocab.as_deref(), &dev)?;
-        let (rope_cos, rope_sin) =
-            crate::model::rope_table(cfg.rope_theta, cfg.head_dim, target.max_context(), &dev)?;
+        let (rope_cos, rope_sin) = dspark_engine::model::rope_table(
+            cfg.rope_theta,
+            cfg.head_dim,
+            target.max_context(),
+            &dev,
+        )?;
         Ok(Self {
             cfg,
             varmap,

@@ -1,12 +1,21 @@
-//! Drafter training: self-distilled data ([`data`]), a differentiable drafter
-//! with the serving drafter's parameters ([`model`]), the DSpark loss ([`loss`]), AdamW with
-//! warm-up + cosine and clipping ([`optim`]), Sequential Temperature Scaling
-//! ([`calibrate`]), the acceptance evaluation ([`eval`]) and its PNG plots ([`plots`], the
-//! `plots` feature).
+//! `dspark-train`: drafter training, calibration and evaluation over the engine library.
+//!
+//! It owns self-distilled data ([`data`]), a differentiable drafter with the serving
+//! drafter's parameters ([`model`]), the DSpark loss ([`loss`]), AdamW with warm-up + cosine
+//! and clipping ([`optim`]), Sequential Temperature Scaling ([`calibrate`]), the acceptance
+//! evaluation ([`eval`]) and its PNG plots ([`plots`], the `plots` feature), and the
+//! `dspark-train train|calibrate|eval` commands ([`cli`]).
+//!
+//! Layering: this crate sits on top of `dspark-engine` (the target model, the serving
+//! drafter, sampling and verification, the shared loaders); the engine never imports from
+//! it, so the serving binary links neither the training code nor plotters and fontconfig.
+//! No `unsafe` here.
 //!
 //! A training run lives in one folder: `config.json` + `model.safetensors` (the serving
 //! checkpoint, bf16, loadable by `DSparkDrafter::load`) and `train/` (f32 variables,
 //! optimiser moments and `state.json`), from which an interrupted run resumes exactly.
+
+#![forbid(unsafe_code)]
 
 pub mod calibrate;
 pub mod cli;
@@ -20,11 +29,11 @@ pub mod plots;
 #[cfg(test)]
 mod tests;
 
-use crate::model::Model;
-use crate::speculative::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Tensor};
 use data::{Dataset, Sequence};
+use dspark_engine::model::Model;
+use dspark_engine::speculative::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
 use loss::{dspark_loss, LossConfig, Targets};
 use model::{Blocks, TrainDrafter};
 use optim::{AdamW, OptimConfig};

@@ -6,7 +6,7 @@
 //! Text is rendered with a system sans-serif font through fontconfig (plotters' `ttf`
 //! backend); the `plots` cargo feature (on by default) builds it.
 
-use super::eval::DomainStats;
+use crate::eval::DomainStats;
 use anyhow::{Context, Result};
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
@@ -300,7 +300,7 @@ mod tests {
             stats("parallel", "math", 1.4, &[0.35, 0.3, 0.2]),
             stats("dspark-markov", "math", 1.7, &[0.35, 0.5, 0.5]),
         ];
-        let dir = crate::testutil::scratch_dir("plots");
+        let dir = dspark_engine::testutil::scratch_dir("plots");
         let paths = write_all(&s, 3, &dir).unwrap();
         assert_eq!(paths.len(), 3);
         for p in &paths {

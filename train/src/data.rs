@@ -11,12 +11,12 @@
 //! `{i}.tokens`, `{i}.feats`, `{i}.topk_ids`, `{i}.topk_p`). It lives in a cache folder
 //! outside the repository (default `~/.cache/dspark/train/<model-id>/dataset`).
 
-use crate::chat::{ChatMessage, ChatTemplate};
-use crate::kv::KvCache;
-use crate::model::{Model, SeqBatch};
-use crate::tokenizer::TextTokenizer;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Tensor};
+use dspark_engine::chat::{ChatMessage, ChatTemplate};
+use dspark_engine::kv::KvCache;
+use dspark_engine::model::{Model, SeqBatch};
+use dspark_engine::tokenizer::TextTokenizer;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -295,7 +295,7 @@ pub fn generate(
                 let (ids, p) = topk_probs(l, opts.topk);
                 g.topk_ids.extend_from_slice(&ids);
                 g.topk_p.extend_from_slice(&p);
-                let next = crate::model::argmax(l);
+                let next = dspark_engine::model::argmax(l);
                 g.tokens.push(next);
                 produced += 1;
                 if tok.stop_ids.contains(&next)
@@ -359,7 +359,7 @@ impl Dataset {
         let meta: DatasetMeta =
             serde_json::from_str(&std::fs::read_to_string(&mp).with_context(|| {
                 format!(
-                    "no dataset at {} (run `dspark-engine train --generate`)",
+                    "no dataset at {} (run `dspark-train train --generate-only`)",
                     dir.display()
                 )
             })?)

@@ -8,16 +8,16 @@
 //! the reliability of the confidences (conditional `c_k` against acceptance, and ECE of the
 //! survival estimate `prod c` against observed survival) and wall-clock tokens/s.
 
-use super::calibrate::{ece, reliability};
-use crate::kv::KvCache;
-use crate::model::{Model, SeqBatch};
-use crate::sampling::{target_probs, Dist, SamplingParams};
-use crate::speculative::dspark::{DSparkDrafter, DraftRequest};
-use crate::speculative::is_greedy;
-use crate::speculative::ngram;
-use crate::speculative::recalibrate::OnlineCalibration;
-use crate::speculative::verify::verify;
+use crate::calibrate::{ece, reliability};
 use anyhow::{ensure, Result};
+use dspark_engine::kv::KvCache;
+use dspark_engine::model::{Model, SeqBatch};
+use dspark_engine::sampling::{target_probs, Dist, SamplingParams};
+use dspark_engine::speculative::dspark::{DSparkDrafter, DraftRequest};
+use dspark_engine::speculative::is_greedy;
+use dspark_engine::speculative::ngram;
+use dspark_engine::speculative::recalibrate::OnlineCalibration;
+use dspark_engine::speculative::verify::verify;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
