@@ -52,7 +52,7 @@ def phase(port: int, prompts: list[str], conc: int, seconds: float, schema: bool
     the time until the last one finished."""
     stop = time.time() + seconds
     lock = threading.Lock()
-    tot = {"tokens": 0, "requests": 0, "draft": 0, "accepted": 0, "invalid": 0, "errors": 0}
+    tot = {"tokens": 0, "requests": 0, "draft": 0, "accepted": 0, "invalid": 0, "cut": 0, "errors": 0}
     nxt = [0]
 
     def client():
@@ -74,8 +74,10 @@ def phase(port: int, prompts: list[str], conc: int, seconds: float, schema: bool
                 print(f"request failed: {e}", file=sys.stderr)
                 continue
             u = r["usage"]
-            ok = True
-            if schema:
+            # A schema answer cut by --max-tokens (finish_reason "length") is counted as cut,
+            # not invalid: only a completed answer must parse.
+            ok, cut = True, r["choices"][0]["finish_reason"] == "length"
+            if schema and not cut:
                 try:
                     json.loads(r["choices"][0]["message"]["content"])
                 except ValueError:
@@ -86,6 +88,7 @@ def phase(port: int, prompts: list[str], conc: int, seconds: float, schema: bool
                 tot["draft"] += u.get("draft_tokens", 0)
                 tot["accepted"] += u.get("accepted_draft_tokens", 0)
                 tot["invalid"] += 0 if ok else 1
+                tot["cut"] += 1 if schema and cut else 0
 
     t0 = time.time()
     threads = [threading.Thread(target=client) for _ in range(conc)]
@@ -137,12 +140,12 @@ def main():
                         r = phase(port, prompts, c, a.duration, mode == "schema", a.max_tokens)
                         results[name][c][mode].append(r)
                         print(f"round {rnd} {name} C={c} {mode}: {r['tok_s']:.1f} tok/s "
-                              f"({r['requests']} requests, invalid {r['invalid']})", file=sys.stderr)
+                              f"({r['requests']} requests, invalid {r['invalid']}, cut {r['cut']})", file=sys.stderr)
             finally:
                 stop(proc, grace=60)
     Path(a.out).write_text(json.dumps({k: {str(c): v for c, v in d.items()} for k, d in results.items()}, indent=1))
     print("| engine | streams | free tok/s | schema tok/s | schema / free | extra ms per token (schema) "
-          "| accepted / drafted (free) | accepted / drafted (schema) | schema requests (invalid) | errors |")
+          "| accepted / drafted (free) | accepted / drafted (schema) | schema requests (cut at max_tokens, invalid) | errors |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in settings:
         for c in concs:
@@ -152,7 +155,7 @@ def main():
             acc = lambda rs: [r["accepted"] / r["draft"] if r["draft"] else None for r in rs]  # noqa: E731
             print(f"| {name} | {c} | {med([r['tok_s'] for r in f])} | {med([r['tok_s'] for r in s])} | {med(ratio)} "
                   f"| {med(extra)} | {med(acc(f)) if name != 'plain' else '-'} | {med(acc(s)) if name != 'plain' else '-'} "
-                  f"| {sum(r['requests'] for r in s)} ({sum(r['invalid'] for r in s)}) "
+                  f"| {sum(r['requests'] for r in s)} ({sum(r['cut'] for r in s)}, {sum(r['invalid'] for r in s)}) "
                   f"| {sum(r['errors'] for r in f + s)} |")
 
 
