@@ -1,6 +1,7 @@
 //! The DSpark operator: runs DSpark engine pools on Kubernetes.
 //!
-//! It owns the `serving.dspark.dev/v1alpha1` resources ([`crd`]): for each `DSparkDeployment`
+//! It owns the `serving.dspark.dev/v1alpha1` resources ([`crd`]: the types, their CEL rules and
+//! the committed CRD YAML): for each `DSparkDeployment`
 //! it keeps, per node pool, an engine Deployment, a Service, a PodDisruptionBudget and a
 //! cost-table ConfigMap ([`reconcile::pool`]); it measures SPS(B) cost tables with profiling
 //! Jobs, stores them in shared `DSparkCostTable` resources and pushes them to engine pods
@@ -14,7 +15,6 @@
 
 pub mod autoscale;
 pub mod crd;
-pub mod crds;
 mod error;
 pub mod http;
 pub mod leader;

@@ -74,7 +74,7 @@ fn repo(path: &str) -> std::path::PathBuf {
 /// Applies the committed CRDs and waits until they are established.
 async fn install_crds(client: &Client) {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for (file, _) in dspark_operator::crds::render().unwrap() {
+    for (file, _) in dspark_operator::crd::yaml::render().unwrap() {
         let text = std::fs::read_to_string(repo("crds").join(file)).unwrap();
         let crd: CustomResourceDefinition = serde_yaml::from_str(&text).unwrap();
         api.patch(
@@ -125,6 +125,21 @@ where
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Whether the object `name` of kind `K` exists in `ns`.
+async fn exists<K>(client: &Client, ns: &str, name: &str) -> bool
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    Api::<K>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await
+        .unwrap()
+        .is_some()
 }
 
 /// A fresh namespace `{base}-{unique}` (namespaces of earlier runs may still be terminating).
@@ -199,7 +214,7 @@ async fn crds_accept_the_samples_and_refuse_the_invalid_ones_with_their_message(
             .unwrap_or_else(|e| panic!("sample {file} refused: {e}"));
     }
     for (file, text) in samples("config/samples/invalid") {
-        let expect = dspark_operator::crds::expected_message(&text).unwrap();
+        let expect = dspark_operator::crd::yaml::expected_message(&text).unwrap();
         let obj: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
         match api.create(&dry, &obj).await {
             Ok(_) => panic!("invalid sample {file} was accepted"),
@@ -462,43 +477,23 @@ async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
     for (what, found) in [
         (
             "Service",
-            Api::<Service>::namespaced(client.clone(), &ns)
-                .get_opt("smollm2-a100")
-                .await
-                .unwrap()
-                .is_some(),
+            exists::<Service>(&client, &ns, "smollm2-a100").await,
         ),
         (
             "deployment Service",
-            Api::<Service>::namespaced(client.clone(), &ns)
-                .get_opt("smollm2")
-                .await
-                .unwrap()
-                .is_some(),
+            exists::<Service>(&client, &ns, "smollm2").await,
         ),
         (
             "PDB",
-            Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
-                .get_opt("smollm2-a100")
-                .await
-                .unwrap()
-                .is_some(),
+            exists::<PodDisruptionBudget>(&client, &ns, "smollm2-a100").await,
         ),
         (
             "ConfigMap",
-            Api::<ConfigMap>::namespaced(client.clone(), &ns)
-                .get_opt("smollm2-a100-cost-table")
-                .await
-                .unwrap()
-                .is_some(),
+            exists::<ConfigMap>(&client, &ns, "smollm2-a100-cost-table").await,
         ),
         (
             "Secret",
-            Api::<Secret>::namespaced(client.clone(), &ns)
-                .get_opt("smollm2-admin-token")
-                .await
-                .unwrap()
-                .is_some(),
+            exists::<Secret>(&client, &ns, "smollm2-admin-token").await,
         ),
     ] {
         assert!(found, "{what} missing");
@@ -1853,6 +1848,21 @@ async fn condition_of(
         .find(|c| c.type_ == type_)
 }
 
+/// Waits for condition `type_` of deployment `name` to have `status`; returns it.
+async fn wait_condition(
+    dsds: &Api<DSparkDeployment>,
+    name: &str,
+    type_: &str,
+    status: &str,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    wait_for(&format!("{type_}={status}"), || async move {
+        condition_of(dsds, name, type_)
+            .await
+            .filter(|c| c.status == status)
+    })
+    .await
+}
+
 /// `Available`, `Progressing` and `Ready` follow the pool Deployments as the deployment
 /// controller reports them: one ready replica of one is available, complete and ready; a
 /// scale-up to two keeps `Ready` and `Available` True while the new pod starts
@@ -2838,15 +2848,7 @@ async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
     )
     .await
     .unwrap();
-    let c = wait_for("ModelAvailable=False", || {
-        let dsds = dsds.clone();
-        async move {
-            condition_of(&dsds, "smollm2", "ModelAvailable")
-                .await
-                .filter(|c| c.status == "False")
-        }
-    })
-    .await;
+    let c = wait_condition(&dsds, "smollm2", "ModelAvailable", "False").await;
     assert_eq!(c.reason, "Unauthorized");
     assert!(
         c.message.contains("HF_TOKEN") && c.message.contains("fetch-model"),
@@ -2888,15 +2890,7 @@ async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
     )
     .await
     .unwrap();
-    let c = wait_for("ModelAvailable=True", || {
-        let dsds = dsds.clone();
-        async move {
-            condition_of(&dsds, "smollm2", "ModelAvailable")
-                .await
-                .filter(|c| c.status == "True")
-        }
-    })
-    .await;
+    let c = wait_condition(&dsds, "smollm2", "ModelAvailable", "True").await;
     assert_eq!(c.reason, "Fetched");
     handle.abort();
     drop_namespace(&client, &ns).await;
