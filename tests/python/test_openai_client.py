@@ -129,6 +129,21 @@ def test_structured_outputs_with_parse(client):
     city = r.choices[0].message.parsed
     assert isinstance(city, City), r.choices[0].message.content
     assert city.name and city.country
+    # The same, streamed: the client's stream helper parses the final message into the model,
+    # and the streamed text is the non-streamed answer (greedy).
+    with client.beta.chat.completions.stream(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Give the name and country of the capital of France."}],
+        response_format=City,
+        max_tokens=60,
+        temperature=0,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "content.delta"]
+        final = stream.get_final_completion()
+    streamed = final.choices[0].message.parsed
+    assert isinstance(streamed, City), final.choices[0].message.content
+    assert streamed == city
+    assert "".join(deltas) == r.choices[0].message.content
     # json_object through the plain client, streamed.
     parts = []
     for chunk in client.chat.completions.create(
