@@ -6,35 +6,20 @@ on 127.0.0.1.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import time
-import urllib.request
+import sys
 from pathlib import Path
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "python"))
+from engine_proc import free_port, wait_http  # noqa: E402,F401  (benchmarks import free_port from here)
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300, what: str = "engine") -> None:
     """Polls `url` until it answers 200; exits the benchmark if `proc` dies or time runs out."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"{what}: {url} not ready after {timeout:.0f} s")
+    try:
+        wait_http(url, proc, what, timeout=timeout)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
 
 
 def start_engine(binary: str, model: str, extra: list[str], log: Path, kv_cache_mb: int = 512,

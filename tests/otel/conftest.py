@@ -4,10 +4,9 @@ OpenTelemetry Collector, all on loopback ports picked at random."""
 import json
 import os
 import shutil
-import socket
 import subprocess
+import sys
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,11 +20,8 @@ CACHE = Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark"))
 TARGET = Path(os.environ.get("CARGO_TARGET_DIR", CACHE / "cargo-target"))
 LOG_DIR = Path(os.environ.get("DSPARK_TEST_LOG_DIR", "/tmp"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+from engine_proc import free_port, wait_http  # noqa: E402,F401  (test_engine_otlp imports both from here)
 
 
 def http(method, url, body=None, headers=None, timeout=30):
@@ -39,21 +35,6 @@ def http(method, url, body=None, headers=None, timeout=30):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def wait_http(url, proc, what, log_path, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} not ready after {timeout}s; see {log_path}")
 
 
 def stop(proc, timeout=40):
