@@ -376,9 +376,13 @@ def operator_board():
     b.panel("Reconciles / s and errors", [
         (f"sum(rate(dspark_operator_reconciles_total[{RI}]))", "reconciles"),
         (f"sum(rate(dspark_operator_reconcile_errors_total[{RI}]))", "errors")], w=8, unit="ops")
-    b.panel("Mean reconcile duration", [
+    b.panel("Reconcile duration", [
+        (f"histogram_quantile(0.5, sum by (le) (rate(dspark_operator_reconcile_duration_seconds_bucket[{RI}])))", "p50"),
+        (f"histogram_quantile(0.99, sum by (le) (rate(dspark_operator_reconcile_duration_seconds_bucket[{RI}])))", "p99"),
         (f"sum(rate(dspark_operator_reconcile_duration_seconds_sum[{RI}]))"
-         f" / sum(rate(dspark_operator_reconciles_total[{RI}]))", "mean")], w=8, unit="s")
+         f" / sum(rate(dspark_operator_reconcile_duration_seconds_count[{RI}]))", "mean")], w=8, unit="s")
+    b.panel("API server requests / s by verb", [
+        (f"sum by (verb) (rate(dspark_operator_kube_requests_total[{RI}]))", "{{verb}}")], w=8, unit="reqps")
     b.panel("Leader", [("max by (instance) (dspark_operator_leader)", "{{instance}}")], w=8,
             kind="stat", decimals=0,
             mappings=[{"type": "value", "options": {"0": {"text": "standby"}, "1": {"text": "leader"}}}])

@@ -10,7 +10,6 @@ use anyhow::Context as _;
 use clap::Parser;
 use futures::StreamExt;
 use kube::runtime::events::{Recorder, Reporter};
-use kube::Client;
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
@@ -70,10 +69,11 @@ async fn main() -> anyhow::Result<()> {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "local".into());
         format!("{}-{}", host.trim(), std::process::id())
     });
-    let client = Client::try_default()
+    let config = kube::Config::infer()
         .await
         .context("no Kubernetes configuration (KUBECONFIG or in-cluster)")?;
     let metrics = Arc::new(Metrics::default());
+    let client = telemetry::counted_client(config, metrics.clone())?;
     dspark_operator::telemetry::export_otel(&metrics);
 
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -10,14 +10,35 @@ use std::sync::{Arc, Mutex};
 use axum::extract::State;
 use axum::routing::get;
 use axum::Router;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// Upper bounds of the reconcile-duration buckets, seconds.
+pub const RECONCILE_BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// The Kubernetes API verb of a request the operator sent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerbLabel {
+    /// `get` (a read or a list), `watch`, `create`, `patch`, `update`, `delete`, `other`.
+    pub verb: &'static str,
+}
 
 /// Counters of what the operator did.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
     pub reconciles: AtomicU64,
     pub reconcile_errors: AtomicU64,
-    /// Sum of reconcile durations, microseconds.
+    /// Sum of reconcile durations, microseconds (the OTLP counter reads it).
     pub reconcile_micros: AtomicU64,
+    /// Reconcile durations, seconds.
+    pub reconcile_duration: Histogram,
+    /// Requests sent to the Kubernetes API server, by verb (writes at rest show here).
+    pub kube_requests: Family<VerbLabel, Counter>,
     pub scaling_decisions: AtomicU64,
     pub advisory_decisions: AtomicU64,
     pub profiling_jobs: AtomicU64,
@@ -43,7 +64,63 @@ pub struct PoolGauges {
     pub request_rate: f64,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            reconciles: AtomicU64::default(),
+            reconcile_errors: AtomicU64::default(),
+            reconcile_micros: AtomicU64::default(),
+            reconcile_duration: Histogram::new(RECONCILE_BUCKETS),
+            kube_requests: Family::default(),
+            scaling_decisions: AtomicU64::default(),
+            advisory_decisions: AtomicU64::default(),
+            profiling_jobs: AtomicU64::default(),
+            profiling_failures: AtomicU64::default(),
+            cost_tables_stored: AtomicU64::default(),
+            pushes: AtomicU64::default(),
+            push_failures: AtomicU64::default(),
+            leader: AtomicBool::default(),
+            pools: Mutex::default(),
+        }
+    }
+}
+
+/// The API verb of a request: its method, and for a GET whether it watches.
+pub fn kube_verb(method: &hyper::Method, query: Option<&str>) -> &'static str {
+    let watches = || {
+        query
+            .unwrap_or_default()
+            .split('&')
+            .any(|kv| kv == "watch=true" || kv == "watch=1")
+    };
+    match *method {
+        hyper::Method::GET if watches() => "watch",
+        hyper::Method::GET => "get",
+        hyper::Method::POST => "create",
+        hyper::Method::PATCH => "patch",
+        hyper::Method::PUT => "update",
+        hyper::Method::DELETE => "delete",
+        _ => "other",
+    }
+}
+
 impl Metrics {
+    /// Records one finished reconcile that took `elapsed`.
+    pub fn observe_reconcile(&self, elapsed: std::time::Duration) {
+        self.reconcile_micros
+            .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
+        self.reconcile_duration.observe(elapsed.as_secs_f64());
+    }
+
+    /// Counts one request to the API server.
+    pub fn count_request(&self, method: &hyper::Method, query: Option<&str>) {
+        self.kube_requests
+            .get_or_create(&VerbLabel {
+                verb: kube_verb(method, query),
+            })
+            .inc();
+    }
+
     pub fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
@@ -136,13 +213,6 @@ impl Metrics {
             "Cost-table pushes that failed.",
             g(&self.push_failures),
         );
-        let secs = g(&self.reconcile_micros) as f64 / 1e6;
-        let _ = writeln!(
-            out,
-            "# HELP {n} Time spent reconciling (seconds, only ever grows).\n# TYPE {n} {t}\n{n} {secs}",
-            n = om::RECONCILE_DURATION_SUM.name,
-            t = om::RECONCILE_DURATION_SUM.kind.type_word()
-        );
         let pools = self.pool_snapshot();
         type Field = fn(&PoolGauges) -> Option<f64>;
         let gauges: [(&str, &str, Field); 6] = [
@@ -191,6 +261,20 @@ impl Metrics {
             "# HELP {n} Whether this replica holds the leader Lease.\n# TYPE {n} gauge\n{n} {leader}",
             n = om::LEADER.name
         );
+        // The histogram and the labelled counter, in the library's exposition (it ends the
+        // text with `# EOF`, so it comes last).
+        let mut registry = Registry::default();
+        registry.register(
+            om::RECONCILE_DURATION.name,
+            "Duration of one reconcile of a DSparkDeployment.",
+            self.reconcile_duration.clone(),
+        );
+        registry.register(
+            om::KUBE_REQUESTS.name,
+            "Requests sent to the Kubernetes API server, by verb.",
+            self.kube_requests.clone(),
+        );
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
         out
     }
 }
@@ -273,6 +357,19 @@ pub fn export_otel(m: &Arc<Metrics>) {
     }
 }
 
+/// A Kubernetes client for `config` whose every request is counted in
+/// `metrics.kube_requests` (a layer over kube's default stack).
+pub fn counted_client(config: kube::Config, metrics: Arc<Metrics>) -> kube::Result<kube::Client> {
+    let count =
+        tower::util::MapRequestLayer::new(move |req: hyper::Request<kube::client::Body>| {
+            metrics.count_request(req.method(), req.uri().query());
+            req
+        });
+    Ok(kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&count)
+        .build())
+}
+
 /// `/metrics` and `/healthz`.
 pub fn router(metrics: Arc<Metrics>) -> Router {
     Router::new()
@@ -296,6 +393,41 @@ mod tests {
         let text = m.render();
         assert!(text.contains("dspark_operator_reconciles_total 1\n"));
         assert!(text.contains("dspark_operator_leader 1\n"));
+    }
+
+    #[test]
+    fn renders_the_reconcile_histogram_and_requests_by_verb() {
+        let m = Metrics::default();
+        m.observe_reconcile(std::time::Duration::from_millis(30));
+        m.observe_reconcile(std::time::Duration::from_millis(700));
+        let get = hyper::Method::GET;
+        m.count_request(
+            &get,
+            Some("labelSelector=a%3Db&watch=true&timeoutSeconds=290"),
+        );
+        m.count_request(&get, Some("labelSelector=a"));
+        m.count_request(&get, None);
+        m.count_request(&hyper::Method::PATCH, Some("fieldManager=x&force=true"));
+        let text = m.render();
+        for line in [
+            "dspark_operator_reconcile_duration_seconds_count 2\n",
+            "dspark_operator_reconcile_duration_seconds_bucket{le=\"0.025\"} 0\n",
+            "dspark_operator_reconcile_duration_seconds_bucket{le=\"0.05\"} 1\n",
+            "dspark_operator_reconcile_duration_seconds_bucket{le=\"1.0\"} 2\n",
+            "dspark_operator_kube_requests_total{verb=\"watch\"} 1\n",
+            "dspark_operator_kube_requests_total{verb=\"get\"} 2\n",
+            "dspark_operator_kube_requests_total{verb=\"patch\"} 1\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+        // Every family in the text is one the contract names.
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let series = line.split(['{', ' ']).next().unwrap();
+            assert!(
+                om::ALL.iter().any(|f| f.owns(series)),
+                "{series} is not in the contract"
+            );
+        }
     }
 
     #[test]

@@ -330,7 +330,7 @@ pub mod metrics {
     /// The operator's own families (its `/metrics`).
     pub mod operator {
         use super::Family;
-        use super::Kind::{Counter, Gauge};
+        use super::Kind::{Counter, Gauge, Histogram};
 
         pub const RECONCILES: Family = Family::new("dspark_operator_reconciles", Counter);
         pub const RECONCILE_ERRORS: Family =
@@ -348,10 +348,11 @@ pub mod metrics {
             Family::new("dspark_operator_cost_table_pushes", Counter);
         pub const COST_TABLE_PUSH_FAILURES: Family =
             Family::new("dspark_operator_cost_table_push_failures", Counter);
-        /// Seconds spent reconciling (only ever grows; a gauge so that its name may end in
-        /// `_sum`, as dashboards have always read it).
-        pub const RECONCILE_DURATION_SUM: Family =
-            Family::new("dspark_operator_reconcile_duration_seconds_sum", Gauge);
+        /// Reconcile durations (its `_sum` is what dashboards have always read).
+        pub const RECONCILE_DURATION: Family =
+            Family::new("dspark_operator_reconcile_duration_seconds", Histogram);
+        /// Requests to the Kubernetes API server, label `verb`.
+        pub const KUBE_REQUESTS: Family = Family::new("dspark_operator_kube_requests", Counter);
         pub const POOL_DESIRED_REPLICAS: Family =
             Family::new("dspark_operator_pool_desired_replicas", Gauge);
         pub const POOL_READY_REPLICAS: Family =
@@ -376,7 +377,8 @@ pub mod metrics {
             COST_TABLES_STORED,
             COST_TABLE_PUSHES,
             COST_TABLE_PUSH_FAILURES,
-            RECONCILE_DURATION_SUM,
+            RECONCILE_DURATION,
+            KUBE_REQUESTS,
             POOL_DESIRED_REPLICAS,
             POOL_READY_REPLICAS,
             POOL_TTFT_P95,

@@ -188,10 +188,7 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
         .lock()
         .expect("runtime lock")
         .insert(key.clone(), rt);
-    ctx.metrics.reconcile_micros.fetch_add(
-        t0.elapsed().as_micros() as u64,
-        std::sync::atomic::Ordering::Relaxed,
-    );
+    ctx.metrics.observe_reconcile(t0.elapsed());
     match &result {
         Ok(_) => {
             ctx.failures.lock().expect("failures lock").remove(&key);
