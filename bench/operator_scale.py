@@ -335,7 +335,7 @@ def main() -> None:
     )
     kubelet = ProfilingKubelet(ns)
     try:
-        wait_http(f"{url}/healthz", 60)
+        wait_http(f"{url}/healthz", op, "dspark-operator", log.name, 60)
         m0 = scrape(f"{url}/metrics")
         kubelet.start()
         t0 = time.time()
