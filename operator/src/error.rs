@@ -33,6 +33,8 @@ pub enum Error {
         url: String,
         message: String,
     },
+    #[error("the watch caches never filled: {0}")]
+    Cache(String),
     #[error("cannot generate the engines' admin token: {0}")]
     Token(#[source] std::io::Error),
     #[error("invalid cost table from {source_name}: {error}; the engine keeps its current table")]
@@ -54,6 +56,7 @@ impl Error {
             Self::NoNamespace(_) => "NoNamespace",
             Self::Engine { .. } => "EngineError",
             Self::Token(_) => "AdminTokenFailed",
+            Self::Cache(_) => "CacheFailed",
             Self::CostTable { .. } => "InvalidCostTable",
         }
     }

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use tracing::{error, info, warn};
 
 use dspark_operator::leader::LeaderElector;
+use dspark_operator::reconcile::cache::Caches;
 use dspark_operator::reconcile::names::MANAGER;
 use dspark_operator::reconcile::{controller, error_policy, reconcile, Context};
 use dspark_operator::telemetry::{self, Metrics};
@@ -141,6 +142,7 @@ async fn main() -> anyhow::Result<()> {
         recorder,
         metrics.clone(),
         controller.store(),
+        Caches::start(&client, args.namespace.as_deref()),
     ));
 
     // Leadership lost (renewal failed for a whole lease duration): stop acting at once.

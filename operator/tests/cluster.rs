@@ -316,6 +316,16 @@ async fn finish_profiling_pod(client: &Client, ns: &str, job: &str, message: &st
 
 /// Runs the controller for namespace `ns` only, in the background.
 fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
+    run_controller_with(client, ns, Default::default())
+}
+
+/// [`run_controller`] reporting into `metrics` (give it a client from
+/// `telemetry::counted_client` to count the API requests).
+fn run_controller_with(
+    client: &Client,
+    ns: &str,
+    metrics: std::sync::Arc<dspark_operator::telemetry::Metrics>,
+) -> tokio::task::JoinHandle<()> {
     let controller = controller(client, Some(ns));
     let recorder = Recorder::new(
         client.clone(),
@@ -327,8 +337,9 @@ fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
     let ctx = std::sync::Arc::new(Context::new(
         client.clone(),
         recorder,
-        Default::default(),
+        metrics,
         controller.store(),
+        dspark_operator::reconcile::cache::Caches::start(client, Some(ns)),
     ));
     tokio::spawn(
         controller
@@ -2892,6 +2903,111 @@ async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
     .unwrap();
     let c = wait_condition(&dsds, "smollm2", "ModelAvailable", "True").await;
     assert_eq!(c.reason, "Fetched");
+    handle.abort();
+    drop_namespace(&client, &ns).await;
+}
+
+/// What the operator sent to the API server so far: (reconciles, reads, writes).
+fn traffic(m: &dspark_operator::telemetry::Metrics) -> (u64, u64, u64) {
+    use dspark_operator::telemetry::VerbLabel;
+    let n = |verb| m.kube_requests.get_or_create(&VerbLabel { verb }).get();
+    (
+        m.reconciles.load(std::sync::atomic::Ordering::Relaxed),
+        n("get"),
+        n("create") + n("patch") + n("update") + n("delete") + n("other"),
+    )
+}
+
+#[tokio::test]
+async fn a_deployment_at_rest_costs_no_api_requests_and_drift_is_repaired() {
+    let Some((client, ns)) = test_env("at_rest", "dspark-it-rest").await else {
+        return;
+    };
+    let metrics = std::sync::Arc::new(dspark_operator::telemetry::Metrics::default());
+    let config = kube::Config::infer().await.unwrap();
+    let counted = dspark_operator::telemetry::counted_client(config, metrics.clone()).unwrap();
+    let handle = run_controller_with(&counted, &ns, metrics.clone());
+    let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let mut dsd = sample("dsparkdeployment-smollm2.yaml");
+    // A reconcile every second: a window of a few seconds holds several.
+    dsd.spec.autoscaling.period_seconds = 1;
+    dsds.create(&PostParams::default(), &dsd).await.unwrap();
+
+    // Converged: some window of 3 s holds at least two reconciles and no write.
+    let quiet = |what: &'static str| {
+        let metrics = metrics.clone();
+        wait_for(what, move || {
+            let metrics = metrics.clone();
+            async move {
+                let (r0, _, w0) = traffic(&metrics);
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let (r1, _, w1) = traffic(&metrics);
+                (r1 >= r0 + 2 && w1 == w0).then_some(())
+            }
+        })
+    };
+    quiet("the deployment to come to rest").await;
+    // At rest: reconciles keep running, from the caches, and send nothing at all.
+    let before = traffic(&metrics);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let after = traffic(&metrics);
+    assert!(
+        after.0 >= before.0 + 3,
+        "reconciles at rest: {before:?} -> {after:?}"
+    );
+    assert_eq!(
+        (after.1 - before.1, after.2 - before.2),
+        (0, 0),
+        "reads and writes at rest over {} reconciles",
+        after.0 - before.0
+    );
+
+    // Drift: someone scales the engine Deployment, edits a Service, deletes the PDB.
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
+    let svc = services.get("smollm2-a100").await.unwrap();
+    let want_selector = svc.spec.as_ref().unwrap().selector.clone().unwrap();
+    let hijacked: std::collections::BTreeMap<_, _> = want_selector
+        .keys()
+        .map(|k| (k.clone(), "someone-else".to_string()))
+        .collect();
+    let by_hand = PatchParams::default();
+    deployments
+        .patch(
+            "smollm2-a100",
+            &by_hand,
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": 9}})),
+        )
+        .await
+        .unwrap();
+    services
+        .patch(
+            "smollm2-a100",
+            &by_hand,
+            &Patch::Merge(serde_json::json!({"spec": {"selector": hijacked}})),
+        )
+        .await
+        .unwrap();
+    pdbs.delete("smollm2-a100", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the drift to be repaired", || {
+        let (deployments, services, pdbs) = (deployments.clone(), services.clone(), pdbs.clone());
+        let want_selector = want_selector.clone();
+        async move {
+            let d = deployments.get("smollm2-a100").await.ok()?;
+            let s = services.get("smollm2-a100").await.ok()?;
+            pdbs.get_opt("smollm2-a100").await.ok()??;
+            // Back within the pool's bounds (the autoscaler starts from what it observes).
+            let replicas = d.spec.replicas?;
+            ((1..=4).contains(&replicas) && s.spec?.selector? == want_selector).then_some(())
+        }
+    })
+    .await;
+    // ... and the deployment comes back to rest.
+    quiet("the deployment to come back to rest").await;
+
     handle.abort();
     drop_namespace(&client, &ns).await;
 }

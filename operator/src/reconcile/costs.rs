@@ -4,6 +4,7 @@
 //! pool's mounted ConfigMap is the fallback when a push fails.
 
 use dspark_types::contract::paths;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dspark_types::{AdminState, CostTable, ErrorBody, PushResponse};
@@ -11,8 +12,7 @@ use hyper::Method;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kube::api::{Patch, PatchParams};
-use kube::{Api, Resource, ResourceExt};
+use kube::{Resource, ResourceExt};
 
 use super::names::{LABEL_MANAGED_BY, MANAGER};
 use crate::crd::{cost_table_name, CostTableKey, DSparkCostTable, DSparkDeployment};
@@ -44,13 +44,12 @@ pub fn owners_of(key: &CostTableKey, all: &[&DSparkDeployment]) -> Vec<OwnerRefe
 }
 
 /// Applies the cost table of `key` (spec and owners) and returns it with its status.
-pub async fn ensure_cost_table(
-    client: &kube::Client,
+pub(super) async fn ensure_cost_table(
+    ctx: &super::Context,
     ns: &str,
     key: &CostTableKey,
     owners: Vec<OwnerReference>,
-) -> Result<DSparkCostTable> {
-    let api: Api<DSparkCostTable> = Api::namespaced(client.clone(), ns);
+) -> Result<Arc<DSparkCostTable>> {
     let name = cost_table_name(key);
     let patch = serde_json::json!({
         "apiVersion": DSparkCostTable::api_version(&()),
@@ -62,17 +61,7 @@ pub async fn ensure_cost_table(
         },
         "spec": key.spec(),
     });
-    api.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(|source| Error::Apply {
-        kind: DSparkCostTable::kind(&()).into(),
-        name,
-        source,
-    })
+    super::apply_body::<DSparkCostTable>(ctx, ns, &name, &patch).await
 }
 
 /// The controller owner reference of `meta`, if any.

@@ -6,6 +6,7 @@
 //! Everything is written with server-side apply under one field manager; every decision is
 //! published as an Event; errors back off exponentially per object.
 
+pub mod cache;
 pub mod costs;
 pub mod model;
 pub mod names;
@@ -28,7 +29,6 @@ use kube::runtime::events::{Event, EventType, Recorder};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{watcher, Controller};
 use kube::{Api, Resource, ResourceExt};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::{instrument, warn};
 
@@ -38,6 +38,7 @@ use crate::crd::{DSparkCostTable, DSparkDeployment, ScalingDecisionStatus, Scali
 use crate::http::HttpClient;
 use crate::telemetry::Metrics;
 use crate::{Error, Result};
+use cache::Cached;
 use names::{LABEL_MANAGED_BY, MANAGER};
 use pool::ADMIN_TOKEN_KEY;
 
@@ -49,6 +50,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Every DSparkDeployment (the controller's cache): cost tables are owned by all their users.
     pub store: Store<DSparkDeployment>,
+    /// What the reconciles read (watch-backed) and the memory of what they applied.
+    pub caches: cache::Caches,
     /// Per-deployment memory of the autoscaler (kube-runtime never runs two reconciles of one
     /// object at once).
     runtime: Mutex<BTreeMap<String, Runtime>>,
@@ -62,6 +65,7 @@ impl Context {
         recorder: Recorder,
         metrics: Arc<Metrics>,
         store: Store<DSparkDeployment>,
+        caches: cache::Caches,
     ) -> Self {
         Self {
             client,
@@ -69,6 +73,7 @@ impl Context {
             recorder,
             metrics,
             store,
+            caches,
             runtime: Mutex::default(),
             failures: Mutex::default(),
             started: Instant::now(),
@@ -135,6 +140,8 @@ struct Runtime {
     last_decision: Option<ScalingDecisionStatus>,
     /// Digest each pod is known to hold.
     pushed: BTreeMap<String, String>,
+    /// The generation whose pruning completed (listed fresh from the API server).
+    pruned_generation: Option<i64>,
 }
 
 /// Error backoff: 5 s doubling per consecutive failure of the same object, at most 5 minutes.
@@ -168,6 +175,7 @@ fn object_key(dsd: &DSparkDeployment) -> String {
     fields(otel.name = "reconcile", deployment = %object_key(&dsd), error = tracing::field::Empty)
 )]
 pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<Action> {
+    ctx.caches.ready().await.map_err(Error::Cache)?;
     let t0 = Instant::now();
     Metrics::inc(&ctx.metrics.reconciles);
     let key = object_key(&dsd);
@@ -243,27 +251,38 @@ async fn report_failure(dsd: &DSparkDeployment, ctx: &Context, e: &Error, failur
     }
 }
 
-async fn apply<K>(client: &kube::Client, ns: &str, obj: &K) -> Result<K>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + Serialize
-        + std::fmt::Debug,
-{
-    let api: Api<K> = Api::namespaced(client.clone(), ns);
+/// Applies `obj` with server-side apply, unless it is what this process applied last time
+/// and nobody wrote it since (see `cache.rs`); returns the object as stored.
+async fn apply<K: Cached>(ctx: &Context, ns: &str, obj: &K) -> Result<Arc<K>> {
     let name = obj.meta().name.clone().unwrap_or_default();
-    api.patch(
-        &name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(obj),
-    )
-    .await
-    .map_err(|source| Error::Apply {
-        kind: K::kind(&()).into(),
-        name,
-        source,
-    })
+    apply_body(ctx, ns, &name, obj).await
+}
+
+/// [`apply`] of a partial object (`body`: the fields the operator owns) named `name`.
+async fn apply_body<K: Cached>(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    body: &(impl Serialize + std::fmt::Debug),
+) -> Result<Arc<K>> {
+    if let Some(cached) = ctx.caches.unchanged::<K>(ns, name, body) {
+        return Ok(cached);
+    }
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), ns);
+    let stored = api
+        .patch(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(body),
+        )
+        .await
+        .map_err(|source| Error::Apply {
+            kind: K::kind(&()).into(),
+            name: name.to_string(),
+            source,
+        })?;
+    ctx.caches.remember(ns, name, body, &stored);
+    Ok(Arc::new(stored))
 }
 
 async fn publish(
@@ -289,7 +308,16 @@ async fn publish(
 async fn admin_token(ctx: &Context, dsd: &DSparkDeployment, ns: &str) -> Result<String> {
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let name = names::admin_secret_name(dsd);
-    if let Some(s) = api.get_opt(&name).await? {
+    let cached = ctx
+        .caches
+        .secrets
+        .get(&ObjectRef::new(&name).within(ns))
+        .map(|s| (*s).clone());
+    let found = match cached {
+        Some(s) => Some(s),
+        None => api.get_opt(&name).await?,
+    };
+    if let Some(s) = found {
         if let Some(t) = s.data.as_ref().and_then(|d| d.get(ADMIN_TOKEN_KEY)) {
             return Ok(String::from_utf8_lossy(&t.0).into_owned());
         }

@@ -17,14 +17,14 @@ use dspark_types::CostTable;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 use tracing::{info, warn};
 
 use super::costs::{self, PushOutcome};
-use super::names::{pool_object_name, LABEL_DEPLOYMENT, LABEL_POOL, MANAGER};
+use super::names::{pool_object_name, MANAGER};
 use super::pool::{self, ADMIN_PORT};
 use super::status::{self, PoolView, StatusInput};
 use super::{admin_token, apply, model, object_key, profiling, prune, publish, write_replicas};
@@ -33,7 +33,7 @@ use crate::autoscale::metrics::PoolObservation;
 use crate::autoscale::policy::{self, Behavior, PolicyInput, PoolInput, SloTargets};
 use crate::autoscale::source;
 use crate::crd::{
-    AutoscalingMode, CostTablePhase, DSparkDeployment, MetricsSource, NodePool,
+    AutoscalingMode, CostTablePhase, DSparkCostTable, DSparkDeployment, MetricsSource, NodePool,
     ScalingDecisionStatus, ScalingMode,
 };
 use crate::http::PodTarget;
@@ -117,9 +117,21 @@ async fn tables(
     let (dsd, ctx, ns) = (pass.dsd, pass.ctx, pass.ns.as_str());
     let client = &ctx.client;
     let key = dsd.spec.cost_table_key(p);
-    let ct = costs::ensure_cost_table(client, ns, &key, costs::owners_of(&key, users)).await?;
-    let (ct_status, progress) =
-        profiling::advance(client, dsd, p, &key, &ct, pass.now_wall).await?;
+    let ct = costs::ensure_cost_table(ctx, ns, &key, costs::owners_of(&key, users)).await?;
+    let (ct_status, progress) = profiling::advance(
+        client,
+        &ctx.caches.profiling_jobs,
+        dsd,
+        p,
+        &key,
+        &ct,
+        pass.now_wall,
+    )
+    .await?;
+    if Some(&ct_status) != ct.status.as_ref() {
+        // The status was just written: the cached table is behind until its watch event.
+        ctx.caches.forget::<DSparkCostTable>(ns, &ct.name_any());
+    }
     match progress {
         profiling::Progress::Nothing => {}
         profiling::Progress::Started(job) => {
@@ -172,7 +184,7 @@ async fn tables(
         .filter(|_| ct_status.phase == CostTablePhase::Ready);
     let json = table.as_ref().map(CostTable::to_json_pretty);
     apply::<ConfigMap>(
-        client,
+        ctx,
         ns,
         &pool::cost_table_config_map(dsd, p, json.as_deref()),
     )
@@ -200,27 +212,34 @@ async fn tables(
 /// ReplicaSet -> Deployment -> this deployment; matching labels are not enough to get the
 /// admin token or be scraped). Returns those pods.
 async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>> {
-    let (dsd, client, ns) = (pass.dsd, &pass.ctx.client, pass.ns.as_str());
+    let (dsd, caches, ns) = (pass.dsd, &pass.ctx.caches, pass.ns.as_str());
     let p = state.spec;
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), ns);
-    let pods_api: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let replica_sets_api: Api<ReplicaSet> = Api::namespaced(client.clone(), ns);
-    let current = deployments.get_opt(&pool_object_name(dsd, p)).await?;
-    let selector = format!(
-        "{LABEL_DEPLOYMENT}={},{LABEL_POOL}={}",
-        dsd.name_any(),
-        p.name
-    );
-    let pods = pods_api
-        .list(&ListParams::default().labels(&selector))
-        .await?;
-    let replica_sets = replica_sets_api
-        .list(&ListParams::default().labels(&selector))
-        .await?;
+    let current = caches.get::<Deployment>(ns, &pool_object_name(dsd, p));
+    let selector = super::names::pool_selector(dsd, p);
+    let selected = |m: &kube::api::ObjectMeta| {
+        m.namespace.as_deref() == Some(ns)
+            && selector
+                .iter()
+                .all(|(k, v)| m.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+    };
+    let pods: Vec<Pod> = caches
+        .pods
+        .state()
+        .iter()
+        .filter(|o| selected(&o.metadata))
+        .map(|o| (**o).clone())
+        .collect();
+    let replica_sets: Vec<ReplicaSet> = caches
+        .replica_sets
+        .state()
+        .iter()
+        .filter(|o| selected(&o.metadata))
+        .map(|o| (**o).clone())
+        .collect();
     let owned = costs::owned_pods(
-        &pods.items,
-        &replica_sets.items,
-        current.as_ref(),
+        &pods,
+        &replica_sets,
+        current.as_deref(),
         dsd.meta().uid.as_deref().unwrap_or_default(),
     );
     let v = &mut state.view;
@@ -434,20 +453,22 @@ async fn decide(pass: &Pass<'_>, rt: &mut Runtime, pools: &mut [PoolState<'_>]) 
 /// uses any more pruned; the runtime forgets pools that are gone.
 async fn act(pass: &Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>]) -> Result<()> {
     let (dsd, ctx, ns) = (pass.dsd, pass.ctx, pass.ns.as_str());
-    let client = &ctx.client;
     for s in pools {
         apply(
-            client,
+            ctx,
             ns,
             &pool::engine_deployment(dsd, s.spec, s.view.desired, s.table.is_some()),
         )
         .await?;
-        apply::<Service>(client, ns, &pool::pool_service(dsd, s.spec)).await?;
-        apply::<PodDisruptionBudget>(client, ns, &pool::pool_pdb(dsd, s.spec)).await?;
+        apply::<Service>(ctx, ns, &pool::pool_service(dsd, s.spec)).await?;
+        apply::<PodDisruptionBudget>(ctx, ns, &pool::pool_pdb(dsd, s.spec)).await?;
     }
-    apply::<Service>(client, ns, &pool::deployment_service(dsd)).await?;
+    apply::<Service>(ctx, ns, &pool::deployment_service(dsd)).await?;
 
-    let pruned = prune::pool_objects(client, ns, dsd).await?;
+    // A new generation may leave objects behind: list them fresh until one reconcile of it
+    // has pruned everything; at rest the caches are enough.
+    let fresh = rt.pruned_generation != dsd.metadata.generation;
+    let pruned = prune::pool_objects(ctx, ns, dsd, fresh).await?;
     if !pruned.is_empty() {
         info!(objects = ?pruned, "pruned");
         publish(
@@ -462,7 +483,11 @@ async fn act(pass: &Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>]) -> Resu
         )
         .await;
     }
-    for released in prune::cost_tables(client, ns, dsd).await? {
+    let (released, complete) = prune::cost_tables(ctx, ns, dsd, fresh).await?;
+    if complete {
+        rt.pruned_generation = dsd.metadata.generation;
+    }
+    for released in released {
         let note = match &released {
             prune::Released::Kept(t) => {
                 format!("cost table {t} is no longer used by this deployment; other deployments keep it")

@@ -302,6 +302,7 @@ pub enum Progress {
 /// its table (or the failure). Returns the new status (already written) and what happened.
 pub async fn advance(
     client: &kube::Client,
+    cached_jobs: &kube::runtime::reflector::Store<Job>,
     dsd: &DSparkDeployment,
     pool: &NodePool,
     key: &CostTableKey,
@@ -329,7 +330,15 @@ pub async fn advance(
             (s, Progress::Started(name))
         }
         Step::Watch(name) => {
-            let outcome = match jobs.get_opt(&name).await? {
+            // The watch cache, or the API server when the Job is not cached (yet, or gone).
+            let cached = cached_jobs
+                .get(&kube::runtime::reflector::ObjectRef::new(&name).within(&ns))
+                .map(|j| (*j).clone());
+            let found = match cached {
+                Some(j) => Some(j),
+                None => jobs.get_opt(&name).await?,
+            };
+            let outcome = match found {
                 None => JobOutcome::Failed(format!("profiling Job {name} disappeared")),
                 Some(job) => job_outcome(&job),
             };

@@ -19,13 +19,16 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use std::sync::Arc;
+
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Resource, ResourceExt};
-use serde::de::DeserializeOwned;
 
+use super::cache::Cached;
 use super::names::{
     cost_table_config_map_name, pool_object_name, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER,
 };
+use super::Context;
 use crate::crd::{cost_table_name, DSparkCostTable, DSparkDeployment};
 use crate::{Error, Result};
 
@@ -83,49 +86,71 @@ pub fn to_prune<'a, K: Resource + 'a>(
 
 /// Deletes the pool objects of `dsd` that its spec no longer names. Returns `Kind name` of
 /// each object deleted.
-pub async fn pool_objects(
-    client: &kube::Client,
+///
+/// `fresh`: list from the API server (the first reconcile of a generation, when pruning has
+/// work to do and a cache a moment behind would miss it); else from the watch caches.
+pub(super) async fn pool_objects(
+    ctx: &Context,
     ns: &str,
     dsd: &DSparkDeployment,
+    fresh: bool,
 ) -> Result<Vec<String>> {
     let Some(uid) = dsd.uid() else {
         return Ok(Vec::new());
     };
     let w = wanted(dsd);
     let mut done = Vec::new();
-    done.extend(prune_kind::<Deployment>(client, ns, dsd, &uid, &w.deployments).await?);
-    done.extend(prune_kind::<Service>(client, ns, dsd, &uid, &w.services).await?);
-    done.extend(prune_kind::<PodDisruptionBudget>(client, ns, dsd, &uid, &w.pdbs).await?);
-    done.extend(prune_kind::<ConfigMap>(client, ns, dsd, &uid, &w.config_maps).await?);
+    done.extend(prune_kind::<Deployment>(ctx, ns, dsd, &uid, &w.deployments, fresh).await?);
+    done.extend(prune_kind::<Service>(ctx, ns, dsd, &uid, &w.services, fresh).await?);
+    done.extend(prune_kind::<PodDisruptionBudget>(ctx, ns, dsd, &uid, &w.pdbs, fresh).await?);
+    done.extend(prune_kind::<ConfigMap>(ctx, ns, dsd, &uid, &w.config_maps, fresh).await?);
     Ok(done)
 }
 
-async fn prune_kind<K>(
-    client: &kube::Client,
+/// The objects of kind `K` in `ns` labelled as made for `dsd`: listed, or cached.
+async fn labelled<K: Cached>(
+    ctx: &Context,
+    ns: &str,
+    dsd: &DSparkDeployment,
+    fresh: bool,
+) -> Result<Vec<Arc<K>>> {
+    let name = dsd.name_any();
+    let selector = format!("{LABEL_DEPLOYMENT}={name}");
+    if fresh {
+        let api: Api<K> = Api::namespaced(ctx.client.clone(), ns);
+        let list = api
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|source| Error::Prune {
+                kind: K::kind(&()).into(),
+                name: format!("(list in {ns})"),
+                source,
+            })?;
+        return Ok(list.items.into_iter().map(Arc::new).collect());
+    }
+    Ok(K::store(&ctx.caches)
+        .state()
+        .into_iter()
+        .filter(|o| {
+            o.meta().namespace.as_deref() == Some(ns)
+                && o.labels().get(LABEL_DEPLOYMENT) == Some(&name)
+        })
+        .collect())
+}
+
+async fn prune_kind<K: Cached>(
+    ctx: &Context,
     ns: &str,
     dsd: &DSparkDeployment,
     uid: &str,
     wanted: &BTreeSet<String>,
-) -> Result<Vec<String>>
-where
-    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + DeserializeOwned
-        + std::fmt::Debug,
-{
+    fresh: bool,
+) -> Result<Vec<String>> {
     let kind = K::kind(&()).to_string();
-    let api: Api<K> = Api::namespaced(client.clone(), ns);
-    let by_label = ListParams::default().labels(&format!("{LABEL_DEPLOYMENT}={}", dsd.name_any()));
-    let list = api
-        .list_metadata(&by_label)
-        .await
-        .map_err(|source| Error::Prune {
-            kind: kind.clone(),
-            name: format!("(list in {ns})"),
-            source,
-        })?;
+    let api: Api<K> = Api::namespaced(ctx.client.clone(), ns);
+    let cached = labelled::<K>(ctx, ns, dsd, fresh).await?;
     let mut done = Vec::new();
-    for (name, object_uid) in to_prune(&list.items, uid, wanted) {
+    for (name, object_uid) in to_prune(cached.iter().map(|o| o.as_ref()), uid, wanted) {
         let dp = DeleteParams::background().preconditions(Preconditions {
             uid: object_uid,
             resource_version: None,
@@ -181,15 +206,19 @@ pub enum Released {
 /// list makes it fail instead of removing another owner; the next reconcile tries again), then
 /// deletes a table left without owners (precondition: the resource version just written, so
 /// a deployment that took the table up meanwhile keeps it).
-pub async fn cost_tables(
-    client: &kube::Client,
+///
+/// `fresh` as for [`pool_objects`]. Returns what was released and whether every release
+/// went through (false when a concurrent change made one wait for the next reconcile).
+pub(super) async fn cost_tables(
+    ctx: &Context,
     ns: &str,
     dsd: &DSparkDeployment,
-) -> Result<Vec<Released>> {
+    fresh: bool,
+) -> Result<(Vec<Released>, bool)> {
     let Some(uid) = dsd.uid() else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), true));
     };
-    let api: Api<DSparkCostTable> = Api::namespaced(client.clone(), ns);
+    let api: Api<DSparkCostTable> = Api::namespaced(ctx.client.clone(), ns);
     let err = |name: String| {
         move |source| Error::Prune {
             kind: "DSparkCostTable".into(),
@@ -197,12 +226,30 @@ pub async fn cost_tables(
             source,
         }
     };
-    let list = api
-        .list(&ListParams::default().labels(&format!("{LABEL_MANAGED_BY}={MANAGER}")))
-        .await
-        .map_err(err(format!("(list in {ns})")))?;
+    let managed = format!("{LABEL_MANAGED_BY}={MANAGER}");
+    let cached: Vec<Arc<DSparkCostTable>> = if fresh {
+        api.list(&ListParams::default().labels(&managed))
+            .await
+            .map_err(err(format!("(list in {ns})")))?
+            .items
+            .into_iter()
+            .map(Arc::new)
+            .collect()
+    } else {
+        ctx.caches
+            .cost_tables
+            .state()
+            .into_iter()
+            .filter(|t| t.meta().namespace.as_deref() == Some(ns))
+            .collect()
+    };
     let mut done = Vec::new();
-    for (name, i) in to_release(&list.items, &uid, &wanted(dsd).cost_tables) {
+    let mut complete = true;
+    for (name, i) in to_release(
+        cached.iter().map(|t| t.as_ref()),
+        &uid,
+        &wanted(dsd).cost_tables,
+    ) {
         let patch: Patch<()> = Patch::Json(
             serde_json::from_value(serde_json::json!([
                 {"op": "test", "path": format!("/metadata/ownerReferences/{i}/uid"), "value": uid},
@@ -224,9 +271,16 @@ pub async fn cost_tables(
             )
             .await
         {
-            Ok(t) => t,
-            // Gone, or its owners changed under us (the test op failed): next reconcile.
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 || e.code == 422 => continue,
+            Ok(t) => {
+                ctx.caches.forget::<DSparkCostTable>(ns, &name);
+                t
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => continue,
+            // Its owners changed under us (the test op failed): next reconcile.
+            Err(kube::Error::Api(e)) if e.code == 409 || e.code == 422 => {
+                complete = false;
+                continue;
+            }
             Err(e) => return Err(err(name)(e)),
         };
         if !table.owner_references().is_empty() {
@@ -239,11 +293,12 @@ pub async fn cost_tables(
         });
         match api.delete(&name, &dp).await {
             Ok(_) => done.push(Released::Deleted(name)),
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => complete = false,
             Err(e) => return Err(err(name)(e)),
         }
     }
-    Ok(done)
+    Ok((done, complete))
 }
 
 #[cfg(test)]
