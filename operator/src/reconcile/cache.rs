@@ -2,9 +2,10 @@
 //! fleet at rest costs the API server nothing.
 //!
 //! Reads: every kind a reconcile looks at (the engine Deployments, their ReplicaSets and
-//! pods, Services, PodDisruptionBudgets, ConfigMaps, admin-token Secrets, cost tables and
-//! profiling Jobs) comes from a reflector store fed by one watch per kind, filtered by the
-//! labels the operator puts on what it makes. A cache may lag a write by a moment; every
+//! pods, Services, PodDisruptionBudgets, ConfigMaps, cost tables and profiling Jobs) comes
+//! from a reflector store fed by one watch per kind, filtered by the labels the operator puts
+//! on what it makes. Secrets are not watched (that would need list/watch on every Secret of
+//! the cluster): the admin token is read once and remembered (see `phases::run`). A cache may lag a write by a moment; every
 //! decision that depends on it is either repeated by the next reconcile (status, replicas, pushes) or guarded by a
 //! precondition (deletes by uid, owner-reference patches by test op).
 //!
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -43,7 +44,6 @@ pub struct Caches {
     pub services: Store<Service>,
     pub pdbs: Store<PodDisruptionBudget>,
     pub config_maps: Store<ConfigMap>,
-    pub secrets: Store<Secret>,
     pub cost_tables: Store<DSparkCostTable>,
     pub profiling_jobs: Store<Job>,
     /// `kind/namespace/name` -> (digest of the object applied, resourceVersion it got).
@@ -129,7 +129,6 @@ impl Caches {
             services: start(client, namespace, &managed),
             pdbs: start(client, namespace, &managed),
             config_maps: start(client, namespace, &managed),
-            secrets: start(client, namespace, &managed),
             cost_tables: start(client, namespace, &managed),
             profiling_jobs: start(client, namespace, &profiling_job_selector()),
             applied: Mutex::default(),
@@ -145,12 +144,11 @@ impl Caches {
             caches.services.clone(),
             caches.pdbs.clone(),
             caches.config_maps.clone(),
-            caches.secrets.clone(),
             caches.cost_tables.clone(),
             caches.profiling_jobs.clone(),
         );
         tokio::spawn(async move {
-            let (d, rs, p, s, pdb, cm, sec, ct, jobs) = &stores;
+            let (d, rs, p, s, pdb, cm, ct, jobs) = &stores;
             let all = async {
                 d.wait_until_ready().await?;
                 rs.wait_until_ready().await?;
@@ -158,7 +156,6 @@ impl Caches {
                 s.wait_until_ready().await?;
                 pdb.wait_until_ready().await?;
                 cm.wait_until_ready().await?;
-                sec.wait_until_ready().await?;
                 ct.wait_until_ready().await?;
                 jobs.wait_until_ready().await
             };

@@ -142,6 +142,8 @@ struct Runtime {
     pushed: BTreeMap<String, String>,
     /// The generation whose pruning completed (listed fresh from the API server).
     pruned_generation: Option<i64>,
+    /// The admin token and when it was read from its Secret.
+    admin_token: Option<(String, Instant)>,
 }
 
 /// Error backoff: 5 s doubling per consecutive failure of the same object, at most 5 minutes.
@@ -308,16 +310,7 @@ async fn publish(
 async fn admin_token(ctx: &Context, dsd: &DSparkDeployment, ns: &str) -> Result<String> {
     let api: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let name = names::admin_secret_name(dsd);
-    let cached = ctx
-        .caches
-        .secrets
-        .get(&ObjectRef::new(&name).within(ns))
-        .map(|s| (*s).clone());
-    let found = match cached {
-        Some(s) => Some(s),
-        None => api.get_opt(&name).await?,
-    };
-    if let Some(s) = found {
+    if let Some(s) = api.get_opt(&name).await? {
         if let Some(t) = s.data.as_ref().and_then(|d| d.get(ADMIN_TOKEN_KEY)) {
             return Ok(String::from_utf8_lossy(&t.0).into_owned());
         }

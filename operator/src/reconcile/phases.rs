@@ -62,6 +62,9 @@ pub(super) struct PoolState<'a> {
 }
 
 /// The whole reconcile of `dsd`.
+/// How long a remembered admin token is used before its Secret is read again.
+const ADMIN_TOKEN_REREAD: Duration = Duration::from_secs(300);
+
 pub(super) async fn run(dsd: &DSparkDeployment, ctx: &Context, rt: &mut Runtime) -> Result<Action> {
     let ns = dsd
         .namespace()
@@ -74,7 +77,16 @@ pub(super) async fn run(dsd: &DSparkDeployment, ctx: &Context, rt: &mut Runtime)
         now: ctx.started.elapsed().as_secs_f64(),
         requeue: Duration::from_secs(dsd.spec.autoscaling.period_seconds.max(1) as u64),
     };
-    let token = admin_token(ctx, dsd, &pass.ns).await?;
+    // The token is remembered, re-read from its Secret every few minutes (a rotated token
+    // reaches the pushes that soon) rather than fetched by every reconcile.
+    let token = match &rt.admin_token {
+        Some((t, read)) if read.elapsed() < ADMIN_TOKEN_REREAD => t.clone(),
+        _ => {
+            let t = admin_token(ctx, dsd, &pass.ns).await?;
+            rt.admin_token = Some((t.clone(), std::time::Instant::now()));
+            t
+        }
+    };
     // Cost tables are owned by every deployment of the namespace that uses their key.
     let others: Vec<_> = ctx
         .store

@@ -2,8 +2,9 @@
 //! operator/deploy/rbac.yaml, it lints, and (against the local cluster, `tests/cluster/cluster.sh
 //! up`, KUBECONFIG and helm on PATH: `eval "$(tests/cluster/cluster.sh env)"`) it installs, runs
 //! the operator built from this tree as a pod through the test kubelet (so the chart's RBAC,
-//! ServiceAccount token, probes and leader election are really used), passes `helm test` and
-//! uninstalls, leaving only the CRDs. Without a cluster the cluster test prints why and passes,
+//! ServiceAccount token, probes and leader election are really used), passes `helm test`,
+//! upgrades under a live DSparkDeployment (the new pod takes the Lease, owned objects are
+//! kept, the deployment is still reconciled) and uninstalls, leaving only the CRDs. Without a cluster the cluster test prints why and passes,
 //! unless DSPARK_REQUIRE_CLUSTER=1.
 
 use std::collections::BTreeSet;
@@ -476,6 +477,67 @@ spec:
             .unwrap();
         assert!(out.contains("Succeeded"), "{out}");
         eprintln!("[{:.1}s] helm test passed", t0.elapsed().as_secs_f64());
+
+        // helm upgrade with a live DSparkDeployment: a new operator pod takes the Lease over,
+        // what the deployment owns is kept (same uids, not recreated), and the new operator
+        // acts on a change to it.
+        let owned = ["deployment/rbac-probe-a100", "service/rbac-probe-a100"];
+        let uids = |objs: &[&str]| -> Vec<String> {
+            objs.iter()
+                .map(|o| k(&["get", "-n", &ns, o, "-o", "jsonpath={.metadata.uid}"]).unwrap())
+                .collect()
+        };
+        let before = uids(&owned);
+        let out = run(Command::new(&helm)
+            .args(["upgrade", release])
+            .arg(chart())
+            .args(["-n", &ns, "--wait", "--timeout", "120s"])
+            .args(values)
+            .args(["--set", "logLevel=debug"]))
+        .unwrap();
+        assert!(out.contains("REVISION: 2"), "{out}");
+        let new_holder = wait_for("the upgraded operator to take the Lease", 90, || {
+            let h = k(&[
+                "get",
+                "lease",
+                "-n",
+                &ns,
+                "chart-test-dspark-operator-leader",
+                "-o",
+                "jsonpath={.spec.holderIdentity}",
+            ])
+            .ok()?;
+            (!h.is_empty() && h != pod).then_some(h)
+        });
+        assert_eq!(uids(&owned), before, "the upgrade recreated owned objects");
+        k(&[
+            "patch",
+            "-n",
+            &ns,
+            "dsd",
+            "rbac-probe",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"engine":{"image":"dspark/engine:upgraded"}}}"#,
+        ])
+        .unwrap();
+        wait_for("the upgraded operator to roll the engine image", 60, || {
+            k(&[
+                "get",
+                "-n",
+                &ns,
+                "deployment/rbac-probe-a100",
+                "-o",
+                "jsonpath={.spec.template.spec.containers[0].image}",
+            ])
+            .ok()
+            .filter(|i| i == "dspark/engine:upgraded")
+        });
+        assert_eq!(uids(&owned), before);
+        eprintln!(
+            "[{:.1}s] upgraded: {new_holder} leads and reconciles the live deployment",
+            t0.elapsed().as_secs_f64()
+        );
 
         k(&[
             "delete",
