@@ -228,26 +228,30 @@ async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>>
     let p = state.spec;
     let current = caches.get::<Deployment>(ns, &pool_object_name(dsd, p));
     let selector = super::names::pool_selector(dsd, p);
-    let selected = |m: &kube::api::ObjectMeta| {
-        m.namespace.as_deref() == Some(ns)
-            && selector
-                .iter()
-                .all(|(k, v)| m.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
-    };
-    let pods: Vec<Pod> = caches
-        .pods
-        .state()
-        .iter()
-        .filter(|o| selected(&o.metadata))
-        .map(|o| (**o).clone())
-        .collect();
-    let replica_sets: Vec<ReplicaSet> = caches
-        .replica_sets
-        .state()
-        .iter()
-        .filter(|o| selected(&o.metadata))
-        .map(|o| (**o).clone())
-        .collect();
+    // This pool's objects in a cache (one namespace, the pool's labels).
+    fn selected<K: kube::Resource + Clone>(
+        store: &kube::runtime::reflector::Store<K>,
+        ns: &str,
+        selector: &std::collections::BTreeMap<String, String>,
+    ) -> Vec<K>
+    where
+        K::DynamicType: std::hash::Hash + Eq + Clone,
+    {
+        store
+            .state()
+            .iter()
+            .filter(|o| {
+                let m = o.meta();
+                m.namespace.as_deref() == Some(ns)
+                    && selector
+                        .iter()
+                        .all(|(k, v)| m.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+            })
+            .map(|o| (**o).clone())
+            .collect()
+    }
+    let pods: Vec<Pod> = selected(&caches.pods, ns, &selector);
+    let replica_sets: Vec<ReplicaSet> = selected(&caches.replica_sets, ns, &selector);
     let owned = costs::owned_pods(
         &pods,
         &replica_sets,

@@ -406,7 +406,7 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
             "jsonpath={.items[0].metadata.name}",
         ])
         .unwrap();
-        let holder = wait_for("the leader Lease", 60, || {
+        let leader = || {
             k(&[
                 "get",
                 "lease",
@@ -418,7 +418,8 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
             ])
             .ok()
             .filter(|h| !h.is_empty())
-        });
+        };
+        let holder = wait_for("the leader Lease", 60, leader);
         assert_eq!(holder, pod);
         let ip = k(&[
             "get",
@@ -497,17 +498,7 @@ spec:
         .unwrap();
         assert!(out.contains("REVISION: 2"), "{out}");
         let new_holder = wait_for("the upgraded operator to take the Lease", 90, || {
-            let h = k(&[
-                "get",
-                "lease",
-                "-n",
-                &ns,
-                "chart-test-dspark-operator-leader",
-                "-o",
-                "jsonpath={.spec.holderIdentity}",
-            ])
-            .ok()?;
-            (!h.is_empty() && h != pod).then_some(h)
+            leader().filter(|h| *h != pod)
         });
         assert_eq!(uids(&owned), before, "the upgrade recreated owned objects");
         k(&[
