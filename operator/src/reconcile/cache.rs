@@ -16,7 +16,7 @@
 //! resourceVersion, so the next reconcile applies again and takes back the fields it owns.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
@@ -219,6 +219,30 @@ impl Caches {
             .expect("applied lock")
             .remove(&key::<K>(ns, name));
     }
+}
+
+/// The objects of `store` in `ns` carrying every label of `selector` (as a label selector
+/// of equalities would list them).
+pub fn selected<K: Resource + Clone>(
+    store: &Store<K>,
+    ns: &str,
+    selector: &BTreeMap<String, String>,
+) -> Vec<K>
+where
+    K::DynamicType: Hash + Eq + Clone,
+{
+    store
+        .state()
+        .iter()
+        .filter(|o| {
+            let m = o.meta();
+            m.namespace.as_deref() == Some(ns)
+                && selector
+                    .iter()
+                    .all(|(k, v)| m.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
+        })
+        .map(|o| (**o).clone())
+        .collect()
 }
 
 fn key<K: Cached>(ns: &str, name: &str) -> String {

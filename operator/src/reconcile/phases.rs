@@ -23,6 +23,7 @@ use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 use tracing::{info, warn};
 
+use super::cache;
 use super::costs::{self, PushOutcome};
 use super::names::{pool_object_name, MANAGER};
 use super::pool::{self, ADMIN_PORT};
@@ -61,10 +62,10 @@ pub(super) struct PoolState<'a> {
     pub view: PoolView,
 }
 
-/// The whole reconcile of `dsd`.
 /// How long a remembered admin token is used before its Secret is read again.
 const ADMIN_TOKEN_REREAD: Duration = Duration::from_secs(300);
 
+/// The whole reconcile of `dsd`.
 pub(super) async fn run(dsd: &DSparkDeployment, ctx: &Context, rt: &mut Runtime) -> Result<Action> {
     let ns = dsd
         .namespace()
@@ -228,30 +229,8 @@ async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>>
     let p = state.spec;
     let current = caches.get::<Deployment>(ns, &pool_object_name(dsd, p));
     let selector = super::names::pool_selector(dsd, p);
-    // This pool's objects in a cache (one namespace, the pool's labels).
-    fn selected<K: kube::Resource + Clone>(
-        store: &kube::runtime::reflector::Store<K>,
-        ns: &str,
-        selector: &std::collections::BTreeMap<String, String>,
-    ) -> Vec<K>
-    where
-        K::DynamicType: std::hash::Hash + Eq + Clone,
-    {
-        store
-            .state()
-            .iter()
-            .filter(|o| {
-                let m = o.meta();
-                m.namespace.as_deref() == Some(ns)
-                    && selector
-                        .iter()
-                        .all(|(k, v)| m.labels.as_ref().and_then(|l| l.get(k)) == Some(v))
-            })
-            .map(|o| (**o).clone())
-            .collect()
-    }
-    let pods: Vec<Pod> = selected(&caches.pods, ns, &selector);
-    let replica_sets: Vec<ReplicaSet> = selected(&caches.replica_sets, ns, &selector);
+    let pods: Vec<Pod> = cache::selected(&caches.pods, ns, &selector);
+    let replica_sets: Vec<ReplicaSet> = cache::selected(&caches.replica_sets, ns, &selector);
     let owned = costs::owned_pods(
         &pods,
         &replica_sets,

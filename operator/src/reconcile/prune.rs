@@ -13,7 +13,7 @@
 //! The selection is pure ([`to_prune`], [`to_release`]); [`pool_objects`] and
 //! [`cost_tables`] do the I/O.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
@@ -128,13 +128,10 @@ async fn labelled<K: Cached>(
             })?;
         return Ok(list.items.into_iter().map(Arc::new).collect());
     }
-    Ok(K::store(&ctx.caches)
-        .state()
+    let by_label = BTreeMap::from([(LABEL_DEPLOYMENT.to_string(), name)]);
+    Ok(super::cache::selected(K::store(&ctx.caches), ns, &by_label)
         .into_iter()
-        .filter(|o| {
-            o.meta().namespace.as_deref() == Some(ns)
-                && o.labels().get(LABEL_DEPLOYMENT) == Some(&name)
-        })
+        .map(Arc::new)
         .collect())
 }
 
