@@ -1,6 +1,6 @@
-//! `dspark-operator`: waits for the leader Lease, then runs the DSparkDeployment controller;
-//! serves `/metrics` and `/healthz`; shuts down gracefully on SIGTERM (finishing reconciles in
-//! flight and releasing the Lease).
+//! `dspark-operator`: waits for the leader Lease, applies its CRDs (`--apply-crds`), then runs
+//! the DSparkDeployment controller; serves `/metrics` and `/healthz`; shuts down gracefully on
+//! SIGTERM (finishing reconciles in flight and releasing the Lease).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
 
+use dspark_operator::crd::install;
 use dspark_operator::leader::LeaderElector;
 use dspark_operator::reconcile::cache::Caches;
 use dspark_operator::reconcile::names::MANAGER;
@@ -46,6 +47,10 @@ struct Args {
     /// Act without a Lease (one replica only, e.g. in tests).
     #[arg(long)]
     no_leader_election: bool,
+    /// Once leading, apply the CRDs of this build unless the cluster has a newer revision
+    /// (Helm never upgrades a chart's CRDs; needs get/create/patch on the two CRDs).
+    #[arg(long, env = "DSPARK_APPLY_CRDS")]
+    apply_crds: bool,
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -128,6 +133,17 @@ async fn main() -> anyhow::Result<()> {
         info!(identity = el.identity(), "acquired leadership");
     }
     metrics.leader.store(true, Ordering::Relaxed);
+    if args.apply_crds {
+        match install::ensure(&client, Duration::from_secs(60)).await {
+            Ok(outcomes) => info!(?outcomes, "CRDs checked"),
+            // Not fatal: the CRDs installed (by Helm or by hand) still serve; the log says why
+            // new fields may be missing from them.
+            Err(e) => warn!(
+                "could not apply the CRDs ({e}); reconciling with the CRDs as installed \
+                 (apply crds/ by hand: kubectl apply --server-side -f crds/)"
+            ),
+        }
+    }
 
     let controller = controller(&client, args.namespace.as_deref());
     let recorder = Recorder::new(

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # End-to-end test of DSpark on the local control plane (`make e2e`):
-#   cluster up (+ smoke test) -> test kubelet -> `helm install` of charts/dspark-operator with
-#   the operator built from this tree running as a pod (its ServiceAccount, RBAC, probes,
-#   leader election) -> a two-pool DSparkDeployment (config/samples/dsparkdeployment-e2e.yaml)
+#   cluster up (+ smoke test) -> test kubelet -> `helm install` of the previous chart version
+#   (tests/e2e/charts/) with the operator built from this tree running as a pod (its
+#   ServiceAccount, RBAC, probes, leader election) -> a two-pool DSparkDeployment (config/samples/dsparkdeployment-e2e.yaml)
 #   whose model is a `huggingFace` source on a loopback Hub (tests/python/fakehub.py serving
 #   MODEL), fetched by each pod's init container -> profiling Jobs per node type complete, DSparkCostTables hold tables -> engine pods on
 #   the right fake nodes, served by real engine processes on loopback pod IPs, answering
 #   -> engines report the stored table (admin API digest) -> load pushes TTFT over the SLO ->
-#   a pool scales up -> load stops -> it scales down after the window -> deleting the
-#   DSparkDeployment removes everything -> helm uninstall leaves only the CRDs.
+#   a pool scales up -> load stops -> it scales down after the window -> `helm upgrade` to
+#   charts/dspark-operator under load (no request fails, no engine pod replaced, the new
+#   operator applies its CRDs: spec.suspend works) -> deleting the DSparkDeployment removes
+#   everything -> helm uninstall leaves only the CRDs.
 # Prints a timeline at the end. Needs the release builds (`make build`) and the model
 # (scripts/fetch-models.sh).
 #
@@ -31,6 +33,7 @@ OPNS=dspark-system
 RELEASE=dspark
 DSD=e2e
 SAMPLE="$ROOT/config/samples/dsparkdeployment-e2e.yaml"
+PREVIOUS_CHART="$HERE/charts/dspark-operator-0.1.0.tgz"
 CONCURRENCY="${E2E_CONCURRENCY:-12}"
 WORK="$(mktemp -d /tmp/dspark-e2e.XXXXXX)"
 T0=$(date +%s.%N)
@@ -113,16 +116,31 @@ mark "cluster up, smoke test passed; starting the test kubelet"
 "$CL" kubelet-up
 mark "test kubelet up on $(kubectl get nodes -l dspark.dev/test-kubelet=true -o name | wc -l) fake GPU nodes"
 
-# --- the operator, from the chart ---------------------------------------------------------
+# --- the operator, from the previous chart version ------------------------------------------
+# Installed from the previous release of the chart (tests/e2e/charts/, `helm package` of it);
+# it is upgraded to this tree's chart under load further down.
 kubectl create namespace "$OPNS" >/dev/null
-helm install "$RELEASE" "$ROOT/charts/dspark-operator" -n "$OPNS" --wait --timeout 120s \
-  --set image.repository=dspark/operator --set image.tag=dev \
-  --set-string 'nodeSelector.dspark\.dev/test-kubelet=true' \
-  --set 'tolerations[0].key=nvidia.com/gpu' --set 'tolerations[0].operator=Exists' \
-  --set leaderElection.leaseSeconds=6 >"$WORK/helm-install.log"
+CRD=dsparkdeployments.serving.dspark.dev
+CRD_BEFORE=0
+kubectl get crd "$CRD" >/dev/null 2>&1 && CRD_BEFORE=1
+HELM_VALUES=(--set image.repository=dspark/operator --set image.tag=dev
+  --set-string 'nodeSelector.dspark\.dev/test-kubelet=true'
+  --set 'tolerations[0].key=nvidia.com/gpu' --set 'tolerations[0].operator=Exists'
+  --set leaderElection.leaseSeconds=6)
+helm install "$RELEASE" "$PREVIOUS_CHART" -n "$OPNS" --wait --timeout 120s \
+  "${HELM_VALUES[@]}" >"$WORK/helm-install.log"
+leader() { kubectl get lease -n "$OPNS" "$RELEASE-dspark-operator-leader" -o jsonpath='{.spec.holderIdentity}'; }
 OPPOD="$(kubectl get pods -n "$OPNS" -l app.kubernetes.io/component=operator -o jsonpath='{.items[0].metadata.name}')"
-wait_until 60 "the leader Lease" sh -c "kubectl get lease -n $OPNS $RELEASE-dspark-operator-leader -o jsonpath='{.spec.holderIdentity}' | grep -qx '$OPPOD'"
-mark "helm install done: operator pod $OPPOD Ready on $(kubectl get pod -n "$OPNS" "$OPPOD" -o jsonpath='{.spec.nodeName} at {.status.podIP}'), holds the Lease"
+first_leader() { [ "$(leader)" = "$OPPOD" ]; }
+wait_until 60 "the leader Lease" first_leader
+mark "helm install of the previous chart $(basename "$PREVIOUS_CHART") done: operator pod $OPPOD Ready on $(kubectl get pod -n "$OPNS" "$OPPOD" -o jsonpath='{.spec.nodeName} at {.status.podIP}'), holds the Lease"
+crd_has_suspend() {
+  kubectl get crd "$CRD" -o jsonpath='{.spec.versions[0].schema.openAPIV3Schema.properties.spec.properties.suspend.type}' | grep -qx boolean
+}
+if [ "$CRD_BEFORE" = 0 ]; then
+  ! crd_has_suspend || die "the previous chart's CRD already has spec.suspend"
+  info "CRD $CRD as the previous chart installed it: no spec.suspend, schema revision '$(kubectl get crd "$CRD" -o jsonpath='{.metadata.annotations.serving\.dspark\.dev/schema-revision}')'"
+fi
 
 # --- the DSparkDeployment ------------------------------------------------------------------
 kubectl create namespace "$NS" >/dev/null
@@ -328,6 +346,53 @@ if [ "${E2E_SKIP_SCALING:-0}" != 1 ]; then
   wait_until 300 "the scale-down after the window" at_min
   mark "scaled down: $(replicas); decision: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.lastScalingDecision.pool}: {.status.lastScalingDecision.fromReplicas} -> {.status.lastScalingDecision.toReplicas} ({.status.lastScalingDecision.reason})')"
 fi
+
+# --- helm upgrade to this tree's chart, under load -----------------------------------------
+# Helm never upgrades crds/: the upgraded operator applies its CRDs (--apply-crds) when it
+# takes the Lease over. The engines keep serving throughout: every request of a closed-loop
+# load across the upgrade succeeds and no engine pod is replaced.
+engine_names() { engines | python3 -c 'import json,sys; print(" ".join(sorted(json.loads(l)["name"] for l in sys.stdin if not json.loads(l)["deleting"])))'; }
+PODS_BEFORE="$(engine_names)"
+engines | python3 -c 'import json,sys; [print("http://%s:8000" % json.loads(l)["ip"]) for l in sys.stdin if json.loads(l)["ready"] and not json.loads(l)["deleting"]]' >"$WORK/targets"
+if [ "$CRD_BEFORE" = 0 ]; then
+  # The old schema prunes a field it does not know: the apiserver drops spec.suspend.
+  kubectl patch dsd -n "$NS" "$DSD" --type merge -p '{"spec":{"suspend":false}}' >/dev/null
+  [ -z "$(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.spec.suspend}')" ] || die "the old CRD kept spec.suspend"
+  info "before the upgrade: spec.suspend is pruned by the old CRD"
+fi
+python3 "$HERE/load.py" --targets "$WORK/targets" --concurrency 3 --max-tokens 16 --report 2 \
+  --stats "$WORK/upgrade-load.json" >"$WORK/upgrade-load.log" 2>&1 &
+LOAD_PID=$!
+load_ok() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d["ok"] >= int(sys.argv[2]) else 1)' "$WORK/upgrade-load.json" "$1"; }
+wait_until 60 "the load to get answers" load_ok 3
+mark "load on $(wc -l <"$WORK/targets") engines; helm upgrade to this tree's chart ($(awk '/^version:/ {print $2}' "$ROOT/charts/dspark-operator/Chart.yaml"))"
+helm upgrade "$RELEASE" "$ROOT/charts/dspark-operator" -n "$OPNS" --wait --timeout 120s \
+  "${HELM_VALUES[@]}" >"$WORK/helm-upgrade.log" || { cat "$WORK/helm-upgrade.log"; die "helm upgrade failed"; }
+new_leader() { local h; h="$(leader)"; [ -n "$h" ] && [ "$h" != "$OPPOD" ]; }
+wait_until 90 "the upgraded operator to take the Lease over" new_leader
+wait_until 60 "the upgraded operator to apply its CRDs" crd_has_suspend
+mark "upgraded (REVISION $(awk '/^REVISION:/ {print $2}' "$WORK/helm-upgrade.log")): $(leader) leads; CRD schema revision $(kubectl get crd "$CRD" -o jsonpath='{.metadata.annotations.serving\.dspark\.dev/schema-revision}') applied by the operator (spec.suspend now served)"
+# The new field works end to end with the upgraded operator: suspend, then resume.
+dsd_condition() { kubectl get dsd -n "$NS" "$DSD" -o jsonpath="{.status.conditions[?(@.type==\"$1\")].status}"; }
+kubectl patch dsd -n "$NS" "$DSD" --type merge -p '{"spec":{"suspend":true}}' >/dev/null
+suspended() { [ "$(dsd_condition Suspended)" = True ]; }
+wait_until 30 "Suspended=True" suspended
+kubectl patch dsd -n "$NS" "$DSD" --type merge -p '{"spec":{"suspend":false}}' >/dev/null
+resumed() { [ -z "$(dsd_condition Suspended)" ]; }
+wait_until 30 "the Suspended condition to go" resumed
+info "spec.suspend: Suspended=True, then gone on resume (Ready=$(dsd_condition Ready))"
+sleep 4
+kill "$LOAD_PID" 2>/dev/null || true
+wait "$LOAD_PID" 2>/dev/null || true
+LOAD_PID=""
+read -r UP_OK UP_ERR UP_LAST < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["ok"], d["err"], d["last_error"] or "-")' "$WORK/upgrade-load.json")
+[ "$UP_ERR" = 0 ] || { cat "$WORK/upgrade-load.log"; die "$UP_ERR of $((UP_OK + UP_ERR)) requests failed across the upgrade (last: $UP_LAST)"; }
+[ "$UP_OK" -ge 5 ] || die "only $UP_OK requests completed across the upgrade"
+PODS_AFTER=" $(engine_names) "
+for p in $PODS_BEFORE; do
+  [[ "$PODS_AFTER" == *" $p "* ]] || die "the upgrade replaced engine pod $p: $PODS_BEFORE ->$PODS_AFTER"
+done
+mark "served throughout the upgrade: $UP_OK requests, 0 failed; every engine pod kept ($PODS_BEFORE)"
 
 # --- deletion ------------------------------------------------------------------------------
 kubectl delete dsd -n "$NS" "$DSD" --wait=true --timeout=60s >/dev/null

@@ -8,6 +8,7 @@ added by a scale-up get traffic), runs --concurrency workers until SIGTERM/SIGIN
 import argparse
 import ipaddress
 import json
+import os
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--duration", type=float, default=0.0)
     ap.add_argument("--report", type=float, default=5.0)
+    ap.add_argument("--stats", help="write the running totals {ok, err, last_error} here as JSON")
     args = ap.parse_args()
 
     stop = threading.Event()
@@ -88,6 +90,15 @@ def main() -> int:
                     stats["last_err"] = f"{url}: {e}"
                 time.sleep(0.2)
 
+    def write_stats():
+        if not args.stats:
+            return
+        with lock:
+            doc = {"ok": stats["ok"], "err": stats["err"], "last_error": stats["last_err"]}
+        with open(args.stats + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.replace(args.stats + ".tmp", args.stats)
+
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(args.concurrency)]
     for t in threads:
         t.start()
@@ -102,10 +113,13 @@ def main() -> int:
         print(f"[load] +{time.monotonic() - t_start:5.0f}s targets={len(targets())} ok={ok} "
               f"err={err} p50_latency={p50:.2f}s" + (f" last_error={last}" if err else ""),
               flush=True)
+        write_stats()
         if args.duration and time.monotonic() - t_start >= args.duration:
             stop.set()
+    # Requests in flight finish (or fail) before the final count.
     for t in threads:
-        t.join(timeout=5)
+        t.join(timeout=130)
+    write_stats()
     return 0
 
 

@@ -102,6 +102,12 @@ pub struct DSparkDeploymentSpec {
     /// Autoscaling behaviour.
     #[serde(default)]
     pub autoscaling: AutoscalingSpec,
+    /// Stop reconciling (maintenance, an incident, a hand-edited engine Deployment under
+    /// investigation): while true the operator leaves every object it owns as it is (no
+    /// apply, prune, scaling or cost-table push) and reports `Suspended=True`; setting it back
+    /// reconciles at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspend: Option<bool>,
 }
 
 /// Where weights come from: exactly one of `huggingFace`, `s3`, `image`, `pvc`, `hostPath`

@@ -8,10 +8,12 @@
 //!
 //! [`deployment`] holds the DSparkDeployment (spec, status and what the spec derives: scaling
 //! mode, drain deadline, cost-table keys); [`cost_table`] the DSparkCostTable, its key and
-//! name; [`yaml`] renders both as the CRD YAML committed under `crds/`.
+//! name; [`yaml`] renders both as the CRD YAML committed under `crds/`; [`install`] applies
+//! them to a cluster at the operator's start (Helm never upgrades a chart's CRDs).
 
 pub mod cost_table;
 pub mod deployment;
+pub mod install;
 #[cfg(test)]
 mod tests;
 pub mod yaml;

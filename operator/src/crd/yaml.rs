@@ -1,50 +1,31 @@
 //! Rendering of the CRD YAML committed under `crds/` (the `crdgen` binary writes it; a test
 //! fails when the committed files drift from the Rust types).
 
-use kube::CustomResourceExt;
-
-use crate::crd::{DSparkCostTable, DSparkDeployment};
+use crate::crd::install;
 use crate::{Error, Result};
 
-/// `(file name, YAML)` of every CRD, in a fixed order, object keys sorted: the same bytes
-/// whether or not another crate in the build turns on serde_json's `preserve_order`
-/// (llguidance does, in the workspace build).
+/// `(file name, YAML)` of every CRD ([`install::crds`]), in a fixed order, object keys sorted.
 pub fn render() -> Result<Vec<(&'static str, String)>> {
-    fn sorted(v: serde_json::Value) -> serde_json::Value {
-        match v {
-            serde_json::Value::Object(m) => {
-                let mut entries: Vec<_> = m.into_iter().collect();
-                entries.sort_by(|a, b| a.0.cmp(&b.0));
-                serde_json::Value::Object(
-                    entries.into_iter().map(|(k, v)| (k, sorted(v))).collect(),
-                )
-            }
-            serde_json::Value::Array(a) => {
-                serde_json::Value::Array(a.into_iter().map(sorted).collect())
-            }
-            other => other,
-        }
-    }
-    let yaml = |crd: k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition| {
-        let value = serde_json::to_value(&crd).map_err(|e| Error::Serialize {
-            what: "CRD",
-            source: e,
-        })?;
-        serde_yaml::to_string(&sorted(value)).map_err(|e| Error::Serialize {
-            what: "CRD",
-            source: serde_json::Error::io(std::io::Error::other(e)),
+    let files = [
+        "serving.dspark.dev_dsparkdeployments.yaml",
+        "serving.dspark.dev_dsparkcosttables.yaml",
+    ];
+    files
+        .into_iter()
+        .zip(install::crds())
+        .map(|(file, crd)| {
+            let value = serde_json::to_value(&crd).map_err(|e| Error::Serialize {
+                what: "CRD",
+                source: e,
+            })?;
+            let yaml =
+                serde_yaml::to_string(&install::sorted(value)).map_err(|e| Error::Serialize {
+                    what: "CRD",
+                    source: serde_json::Error::io(std::io::Error::other(e)),
+                })?;
+            Ok((file, yaml))
         })
-    };
-    Ok(vec![
-        (
-            "serving.dspark.dev_dsparkdeployments.yaml",
-            yaml(DSparkDeployment::crd())?,
-        ),
-        (
-            "serving.dspark.dev_dsparkcosttables.yaml",
-            yaml(DSparkCostTable::crd())?,
-        ),
-    ])
+        .collect()
 }
 
 /// The message an invalid sample's `# expect: ...` line names.

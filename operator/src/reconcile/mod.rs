@@ -187,6 +187,11 @@ pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<
         ctx.metrics.forget_deployment(&key);
         return Ok(Action::await_change());
     }
+    if dsd.spec.suspend == Some(true) {
+        let result = suspend(&dsd, &ctx).await;
+        ctx.metrics.observe_reconcile(t0.elapsed());
+        return result.map(|()| Action::await_change());
+    }
     let mut rt = ctx
         .runtime
         .lock()
@@ -235,22 +240,60 @@ async fn report_failure(dsd: &DSparkDeployment, ctx: &Context, e: &Error, failur
     if new == old {
         return;
     }
-    let api: Api<DSparkDeployment> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Err(e) = write_status(ctx, dsd, &ns, &new).await {
+        warn!("could not record the Stalled condition: {e}");
+    }
+}
+
+/// `spec.suspend: true`: nothing owned is touched; the status says so (once, with an Event).
+async fn suspend(dsd: &DSparkDeployment, ctx: &Context) -> Result<()> {
+    let ns = dsd
+        .namespace()
+        .ok_or_else(|| Error::NoNamespace(dsd.name_any()))?;
+    let old = status::own(&dsd.status.clone().unwrap_or_default());
+    let now = profiling::rfc3339(k8s_openapi::jiff::Timestamp::now());
+    let new = status::suspended(&old, dsd.metadata.generation, &now);
+    if new == old {
+        return Ok(());
+    }
+    if status::transitions(&old, &new)
+        .iter()
+        .any(|(t, ..)| t == status::SUSPENDED)
+    {
+        publish(
+            ctx,
+            dsd,
+            EventType::Normal,
+            status::SUSPENDED,
+            "spec.suspend is true: reconciling stops until it is set back to false".into(),
+        )
+        .await;
+    }
+    write_status(ctx, dsd, &ns, &new).await?;
+    Ok(())
+}
+
+/// Writes the operator's part of the status (server-side apply of `status`: it owns only
+/// the fields and conditions it sets, other writers keep theirs).
+async fn write_status(
+    ctx: &Context,
+    dsd: &DSparkDeployment,
+    ns: &str,
+    status: &crate::crd::DSparkDeploymentStatus,
+) -> std::result::Result<(), kube::Error> {
+    let api: Api<DSparkDeployment> = Api::namespaced(ctx.client.clone(), ns);
     let patch = serde_json::json!({
         "apiVersion": DSparkDeployment::api_version(&()),
         "kind": DSparkDeployment::kind(&()),
-        "status": new,
+        "status": status,
     });
-    if let Err(e) = api
-        .patch_status(
-            &dsd.name_any(),
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-    {
-        warn!("could not record the Stalled condition: {e}");
-    }
+    api.patch_status(
+        &dsd.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Applies `obj` with server-side apply, unless it is what this process applied last time

@@ -17,18 +17,19 @@ use dspark_types::CostTable;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::{Api, Resource, ResourceExt};
+use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
 use super::cache;
 use super::costs::{self, PushOutcome};
-use super::names::{pool_object_name, MANAGER};
+use super::names::pool_object_name;
 use super::pool::{self, ADMIN_PORT};
 use super::status::{self, PoolView, StatusInput};
-use super::{admin_token, apply, model, object_key, profiling, prune, publish, write_replicas};
+use super::{
+    admin_token, apply, model, object_key, profiling, prune, publish, write_replicas, write_status,
+};
 use super::{Context, Runtime};
 use crate::autoscale::metrics::PoolObservation;
 use crate::autoscale::policy::{self, Behavior, PolicyInput, PoolInput, SloTargets};
@@ -602,18 +603,7 @@ async fn report(
             };
             publish(ctx, dsd, type_, &reason, message).await;
         }
-        let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), ns);
-        let patch = serde_json::json!({
-            "apiVersion": DSparkDeployment::api_version(&()),
-            "kind": DSparkDeployment::kind(&()),
-            "status": new,
-        });
-        api.patch_status(
-            &dsd.name_any(),
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
+        write_status(ctx, dsd, ns, &new).await?;
     }
     Ok(())
 }

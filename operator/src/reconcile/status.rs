@@ -65,7 +65,7 @@ fn ms(x: Option<f64>) -> Option<f64> {
 
 /// The condition types the operator writes; `status.conditions` is a map by type, so other
 /// controllers may add their own next to them.
-pub const OWN_CONDITIONS: [&str; 8] = [
+pub const OWN_CONDITIONS: [&str; 9] = [
     "Ready",
     "ModelAvailable",
     "Available",
@@ -74,6 +74,7 @@ pub const OWN_CONDITIONS: [&str; 8] = [
     "Scaling",
     "MetricsAvailable",
     "Stalled",
+    "Suspended",
 ];
 
 /// `status` with only the operator's own conditions: what it compares and writes (with
@@ -488,6 +489,10 @@ pub const STALLED: &str = "Stalled";
 /// Consecutive failures after which even a transient error stalls the deployment.
 pub const STALL_AFTER: u32 = 3;
 
+/// `reason: Suspended` while `spec.suspend` is true; absent once it is not ([`build`] never
+/// carries it).
+pub const SUSPENDED: &str = "Suspended";
+
 /// The status after a failed reconcile: `old` with `Stalled=True` (`reason`, `message`) for
 /// `generation`, everything else as it was. `status.observedGeneration` moves to
 /// `generation` too: the operator has seen this generation and is stuck on it, which is
@@ -500,20 +505,50 @@ pub fn stalled(
     message: &str,
     now: &str,
 ) -> DSparkDeploymentStatus {
+    with_true(old, generation, STALLED, reason, message, now)
+}
+
+/// The status of a suspended deployment: `old` with `Suspended=True`, everything else (the
+/// last pools, replicas and conditions seen) as it was.
+pub fn suspended(
+    old: &DSparkDeploymentStatus,
+    generation: Option<i64>,
+    now: &str,
+) -> DSparkDeploymentStatus {
+    with_true(
+        old,
+        generation,
+        SUSPENDED,
+        SUSPENDED,
+        "spec.suspend is true: the operator leaves the objects it owns as they are (no apply, \
+         prune, scaling or cost-table push) until it is set back to false",
+        now,
+    )
+}
+
+/// `old` with condition `type_` True for `generation` (see [`stalled`]).
+fn with_true(
+    old: &DSparkDeploymentStatus,
+    generation: Option<i64>,
+    type_: &str,
+    reason: &str,
+    message: &str,
+    now: &str,
+) -> DSparkDeploymentStatus {
     let mut s = old.clone();
     s.observed_generation = generation;
     let mut c = condition(
-        STALLED,
+        type_,
         Some(true),
         reason,
         message.chars().take(4096).collect(),
     );
     c.observed_generation = generation;
-    c.last_transition_time = match old.conditions.iter().find(|o| o.type_ == STALLED) {
+    c.last_transition_time = match old.conditions.iter().find(|o| o.type_ == type_) {
         Some(o) if o.status == "True" => o.last_transition_time.clone(),
         _ => Time(now.parse().expect("reconcile time is RFC 3339")),
     };
-    s.conditions.retain(|o| o.type_ != STALLED);
+    s.conditions.retain(|o| o.type_ != type_);
     s.conditions.push(c);
     s
 }

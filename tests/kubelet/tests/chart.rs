@@ -88,8 +88,8 @@ fn chart_dashboards_are_the_repository_dashboards() {
     );
 }
 
-/// (apiGroup, resource, verb) triples of the rules of every `kind` document in `docs`.
-fn rule_set(docs: &[serde_yaml::Value], kind: &str) -> BTreeSet<(String, String, String)> {
+/// (apiGroup, resource, verb, resourceNames) of the rules of every `kind` document in `docs`.
+fn rule_set(docs: &[serde_yaml::Value], kind: &str) -> BTreeSet<(String, String, String, String)> {
     let mut out = BTreeSet::new();
     let strs = |v: &serde_yaml::Value| -> Vec<String> {
         v.as_sequence()
@@ -102,10 +102,13 @@ fn rule_set(docs: &[serde_yaml::Value], kind: &str) -> BTreeSet<(String, String,
     };
     for d in docs.iter().filter(|d| d["kind"].as_str() == Some(kind)) {
         for r in d["rules"].as_sequence().into_iter().flatten() {
+            let mut names = strs(&r["resourceNames"]);
+            names.sort();
+            let names = names.join(",");
             for g in strs(&r["apiGroups"]) {
                 for res in strs(&r["resources"]) {
                     for v in strs(&r["verbs"]) {
-                        out.insert((g.clone(), res.clone(), v));
+                        out.insert((g.clone(), res.clone(), v, names.clone()));
                     }
                 }
             }
@@ -215,6 +218,14 @@ fn chart_lints_and_its_rbac_is_exactly_the_operators() {
         args.contains(&"--lease-name=x-dspark-operator-leader"),
         "{args:?}"
     );
+    // The operator keeps its CRDs current by default; crds.apply=false drops the flag and the
+    // CRD ClusterRole with it.
+    assert!(args.contains(&"--apply-crds"), "{args:?}");
+    let without = run(Command::new(&helm)
+        .args(["template", "x", "-n", "ops", "--set", "crds.apply=false"])
+        .arg(chart()))
+    .unwrap();
+    assert!(!without.contains("--apply-crds") && !without.contains("customresourcedefinitions"));
     assert_eq!(
         c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
         Some(true)
