@@ -301,6 +301,8 @@ def main() -> None:
     ap.add_argument("--operator-bin", default=str(cache / "cargo-target" / "release" / "dspark-operator"))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to reach steady state")
     ap.add_argument("--keep", action="store_true", help="leave the nodes and namespace behind")
+    ap.add_argument("--operator-arg", action="append", default=[],
+                    help="an extra argument of the operator (repeat), e.g. --operator-arg=--max-concurrent-reconciles=0")
     args = ap.parse_args()
     ns, n = args.namespace, args.deployments
 
@@ -330,7 +332,8 @@ def main() -> None:
     log = open(f"/tmp/operator-scale-{port}.log", "w")
     env = dict(os.environ, RUST_LOG="warn,dspark_operator=warn")
     op = subprocess.Popen(
-        [args.operator_bin, "--http", f"127.0.0.1:{port}", "--namespace", ns, "--no-leader-election"],
+        [args.operator_bin, "--http", f"127.0.0.1:{port}", "--namespace", ns, "--no-leader-election",
+         *args.operator_arg],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     kubelet = ProfilingKubelet(ns)

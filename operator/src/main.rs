@@ -17,7 +17,9 @@ use dspark_operator::crd::install;
 use dspark_operator::leader::LeaderElector;
 use dspark_operator::reconcile::cache::Caches;
 use dspark_operator::reconcile::names::MANAGER;
-use dspark_operator::reconcile::{controller, error_policy, reconcile, Context};
+use dspark_operator::reconcile::{
+    controller, error_policy, reconcile, Context, DEFAULT_CONCURRENCY,
+};
 use dspark_operator::telemetry::{self, Metrics};
 
 #[derive(Parser, Debug)]
@@ -51,6 +53,11 @@ struct Args {
     /// (Helm never upgrades a chart's CRDs; needs get/create/patch on the two CRDs).
     #[arg(long, env = "DSPARK_APPLY_CRDS")]
     apply_crds: bool,
+    /// Reconciles running at once (0: unbounded). A reconcile is a short chain of API
+    /// requests; bounding them keeps each one short while a fleet converges instead of
+    /// queueing hundreds inside the API server at once.
+    #[arg(long, env = "DSPARK_MAX_CONCURRENT_RECONCILES", default_value_t = DEFAULT_CONCURRENCY)]
+    max_concurrent_reconciles: u16,
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -145,7 +152,9 @@ async fn main() -> anyhow::Result<()> {
         }
     }
 
-    let controller = controller(&client, args.namespace.as_deref());
+    let controller = controller(&client, args.namespace.as_deref()).with_config(
+        kube::runtime::controller::Config::default().concurrency(args.max_concurrent_reconciles),
+    );
     let recorder = Recorder::new(
         client.clone(),
         Reporter {

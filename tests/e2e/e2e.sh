@@ -77,9 +77,15 @@ diagnostics() {
   done
 }
 
+# stop_load: SIGTERM to the load generator; it finishes the requests in flight and exits.
+stop_load() {
+  if [ -n "$LOAD_PID" ]; then kill "$LOAD_PID" 2>/dev/null || true; wait "$LOAD_PID" 2>/dev/null || true; fi
+  LOAD_PID=""
+}
+
 finish() {
   local rc=$?
-  if [ -n "$LOAD_PID" ]; then kill "$LOAD_PID" 2>/dev/null || true; wait "$LOAD_PID" 2>/dev/null || true; fi
+  stop_load
   if [ -n "$HUB_PID" ]; then kill "$HUB_PID" 2>/dev/null || true; wait "$HUB_PID" 2>/dev/null || true; fi
   [ "$rc" = 0 ] || diagnostics
   echo
@@ -337,9 +343,7 @@ if [ "${E2E_SKIP_SCALING:-0}" != 1 ]; then
   wait_until 180 "the new engine pod Ready" more_ready
   mark "new engine pod Ready ($(ready_count) ready engines, serving load)"
   sleep 10
-  kill "$LOAD_PID" 2>/dev/null || true
-  wait "$LOAD_PID" 2>/dev/null || true
-  LOAD_PID=""
+  stop_load
   kill "$REFRESH_PID" 2>/dev/null || true
   mark "load stopped"
   at_min() { [ "$(total_replicas)" -le "$base" ]; }
@@ -382,9 +386,7 @@ resumed() { [ -z "$(dsd_condition Suspended)" ]; }
 wait_until 30 "the Suspended condition to go" resumed
 info "spec.suspend: Suspended=True, then gone on resume (Ready=$(dsd_condition Ready))"
 sleep 4
-kill "$LOAD_PID" 2>/dev/null || true
-wait "$LOAD_PID" 2>/dev/null || true
-LOAD_PID=""
+stop_load
 read -r UP_OK UP_ERR UP_LAST < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d["ok"], d["err"], d["last_error"] or "-")' "$WORK/upgrade-load.json")
 [ "$UP_ERR" = 0 ] || { cat "$WORK/upgrade-load.log"; die "$UP_ERR of $((UP_OK + UP_ERR)) requests failed across the upgrade (last: $UP_LAST)"; }
 [ "$UP_OK" -ge 5 ] || die "only $UP_OK requests completed across the upgrade"

@@ -129,6 +129,9 @@ pub fn controller(client: &kube::Client, namespace: Option<&str>) -> Controller<
         )
 }
 
+/// Reconciles running at once by default (`--max-concurrent-reconciles`).
+pub const DEFAULT_CONCURRENCY: u16 = 4;
+
 /// What the autoscaler remembers about one deployment between reconciles.
 #[derive(Default)]
 struct Runtime {
@@ -330,6 +333,9 @@ async fn apply_body<K: Cached>(
     Ok(Arc::new(stored))
 }
 
+/// Records an Event on the deployment in the background, as client-go's recorder does: an
+/// Event is a report, not part of converging, so a slow API server delays it, not the
+/// reconcile (the first reconcile of a deployment records about ten).
 async fn publish(
     ctx: &Context,
     dsd: &DSparkDeployment,
@@ -344,9 +350,12 @@ async fn publish(
         action: reason.into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&ev, &dsd.object_ref(&())).await {
-        warn!("could not publish event {reason}: {e}");
-    }
+    let (recorder, reference) = (ctx.recorder.clone(), dsd.object_ref(&()));
+    tokio::spawn(async move {
+        if let Err(e) = recorder.publish(&ev, &reference).await {
+            warn!("could not publish event {}: {e}", ev.reason);
+        }
+    });
 }
 
 /// The admin token: read from the Secret, or a new random one in a new Secret.

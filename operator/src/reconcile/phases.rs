@@ -449,17 +449,24 @@ async fn decide(pass: &Pass<'_>, rt: &mut Runtime, pools: &mut [PoolState<'_>]) 
 /// uses any more pruned; the runtime forgets pools that are gone.
 async fn act(pass: &Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>]) -> Result<()> {
     let (dsd, ctx, ns) = (pass.dsd, pass.ctx, pass.ns.as_str());
-    for s in pools {
-        apply(
-            ctx,
-            ns,
-            &pool::engine_deployment(dsd, s.spec, s.view.desired, s.table.is_some()),
+    // The owned objects are independent: applied at once, a first reconcile (every one a
+    // create) takes one round trip instead of one per object. The first refusal is the
+    // reconcile's error; the others' applies are repeated by the next reconcile.
+    let per_pool = pools.iter().map(|s| async move {
+        let deployment = pool::engine_deployment(dsd, s.spec, s.view.desired, s.table.is_some());
+        let (service, pdb) = (pool::pool_service(dsd, s.spec), pool::pool_pdb(dsd, s.spec));
+        futures::try_join!(
+            apply(ctx, ns, &deployment),
+            apply::<Service>(ctx, ns, &service),
+            apply::<PodDisruptionBudget>(ctx, ns, &pdb),
         )
-        .await?;
-        apply::<Service>(ctx, ns, &pool::pool_service(dsd, s.spec)).await?;
-        apply::<PodDisruptionBudget>(ctx, ns, &pool::pool_pdb(dsd, s.spec)).await?;
-    }
-    apply::<Service>(ctx, ns, &pool::deployment_service(dsd)).await?;
+        .map(|_| ())
+    });
+    let service = pool::deployment_service(dsd);
+    futures::try_join!(
+        futures::future::try_join_all(per_pool),
+        apply::<Service>(ctx, ns, &service),
+    )?;
 
     // A new generation may leave objects behind: list them fresh until one reconcile of it
     // has pruned everything; at rest the caches are enough.
