@@ -35,6 +35,8 @@ pub enum Error {
     },
     #[error("the watch caches never filled: {0}")]
     Cache(String),
+    #[error("the CRD {name} was not Established within {seconds} s")]
+    CrdNotEstablished { name: String, seconds: u64 },
     #[error("cannot generate the engines' admin token: {0}")]
     Token(#[source] std::io::Error),
     #[error("invalid cost table from {source_name}: {error}; the engine keeps its current table")]
@@ -57,6 +59,7 @@ impl Error {
             Self::Engine { .. } => "EngineError",
             Self::Token(_) => "AdminTokenFailed",
             Self::Cache(_) => "CacheFailed",
+            Self::CrdNotEstablished { .. } => "CrdNotEstablished",
             Self::CostTable { .. } => "InvalidCostTable",
         }
     }

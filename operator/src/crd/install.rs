@@ -144,9 +144,10 @@ pub async fn ensure(client: &Client, timeout: Duration) -> Result<Vec<Outcome>> 
                 break;
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(Error::Cache(format!(
-                    "the CRD {name} was not Established within {timeout:?}"
-                )));
+                return Err(Error::CrdNotEstablished {
+                    name: name.clone(),
+                    seconds: timeout.as_secs(),
+                });
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
