@@ -281,6 +281,29 @@ fn wait_for<T>(what: &str, secs: u64, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// A binary of the workspace: `$env` if set, else the one next to this test's binary (this
+/// crate has none of its own, so Cargo gives it no `CARGO_BIN_EXE_*`; `cargo build --release
+/// --workspace`, as `make build` runs, puts them there).
+fn workspace_bin(name: &str, env: &str) -> Result<PathBuf, String> {
+    let path = match std::env::var_os(env) {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe()
+            .unwrap()
+            .parent()
+            .and_then(|p| p.parent())
+            .unwrap()
+            .join(name),
+    };
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "no {name} binary at {} (cargo build --release -p {name}, or set {env})",
+            path.display()
+        ))
+    }
+}
+
 #[test]
 fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
     let skip = |why: &str| {
@@ -300,22 +323,14 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
     if k(&["get", "--raw", "/readyz"]).is_err() {
         return skip("the apiserver does not answer");
     }
-    // The operator binary next to this test's binary (cargo builds the workspace's bins).
-    let target = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .and_then(|p| p.parent())
-        .unwrap()
-        .to_path_buf();
-    let operator = std::env::var("DSPARK_OPERATOR_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| target.join("dspark-operator"));
-    if !operator.is_file() {
-        return skip(&format!(
-            "no operator binary at {} (cargo build --release -p dspark-operator, or set DSPARK_OPERATOR_BIN)",
-            operator.display()
-        ));
-    }
+    let operator = match workspace_bin("dspark-operator", "DSPARK_OPERATOR_BIN") {
+        Ok(p) => p,
+        Err(why) => return skip(&why),
+    };
+    let test_kubelet = match workspace_bin("dspark-test-kubelet", "DSPARK_TEST_KUBELET_BIN") {
+        Ok(p) => p,
+        Err(why) => return skip(&why),
+    };
     let t0 = Instant::now();
     let ns = format!("dspark-chart-{}", std::process::id());
     let release = "chart-test";
@@ -352,7 +367,7 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         std::fs::create_dir_all(&dir).unwrap();
         let log = std::fs::File::create(dir.join("kubelet.log")).unwrap();
         eprintln!("test kubelet log: {}", dir.join("kubelet.log").display());
-        let child = Command::new(env!("CARGO_BIN_EXE_dspark-test-kubelet"))
+        let child = Command::new(&test_kubelet)
             .args([
                 "--node-selector",
                 "dspark.dev/chart-test=true",
