@@ -9,7 +9,10 @@
 #   -> engines report the stored table (admin API digest) -> load pushes TTFT over the SLO ->
 #   a pool scales up -> load stops -> it scales down after the window -> `helm upgrade` to
 #   charts/dspark-operator under load (no request fails, no engine pod replaced, the new
-#   operator applies its CRDs: spec.suspend works) -> deleting the DSparkDeployment removes
+#   operator applies its CRDs: spec.suspend works) -> other sources for real through the
+#   test kubelet: an S3 source (moto on loopback) and an image source (an OCI image of the
+#   weights in a loopback registry, an image volume) serve, a gated repo with a wrong token
+#   Secret shows ModelAvailable=False (Unauthorized) and an Event -> deleting the DSparkDeployment removes
 #   everything -> helm uninstall leaves only the CRDs.
 # Prints a timeline at the end. Needs the release builds (`make build`) and the model
 # (scripts/fetch-models.sh).
@@ -40,6 +43,8 @@ T0=$(date +%s.%N)
 TIMELINE="$WORK/timeline"
 LOAD_PID=""
 HUB_PID=""
+S3_PID=""
+REGISTRY_UP=0
 PREEXISTING=0
 : >"$TIMELINE"
 
@@ -87,6 +92,8 @@ finish() {
   local rc=$?
   stop_load
   if [ -n "$HUB_PID" ]; then kill "$HUB_PID" 2>/dev/null || true; wait "$HUB_PID" 2>/dev/null || true; fi
+  if [ -n "$S3_PID" ]; then kill "$S3_PID" 2>/dev/null || true; wait "$S3_PID" 2>/dev/null || true; fi
+  if [ "$REGISTRY_UP" = 1 ]; then "$ROOT/tests/registry/registry.sh" down >/dev/null 2>&1 || true; fi
   [ "$rc" = 0 ] || diagnostics
   echo
   echo "===== e2e timeline ($( [ "$rc" = 0 ] && echo PASSED || echo "FAILED, rc $rc")) ====="
@@ -395,6 +402,87 @@ for p in $PODS_BEFORE; do
   [[ "$PODS_AFTER" == *" $p "* ]] || die "the upgrade replaced engine pod $p: $PODS_BEFORE ->$PODS_AFTER"
 done
 mark "served throughout the upgrade: $UP_OK requests, 0 failed; every engine pod kept ($PODS_BEFORE)"
+
+# --- other sources, for real through the test kubelet ----------------------------------------
+# An S3 source (moto's S3-compatible server on loopback; credentials from a Secret) is fetched
+# by the init container and answers; an image source (an OCI image holding the GGUF, pushed to
+# the CNCF registry on loopback, referenced by digest) is mounted as an image volume and
+# answers; a gated Hub repo with a wrong token Secret fails in the real fetch-model init
+# container, and the operator shows the engine's message as ModelAvailable=False
+# (Unauthorized) with a Warning Event. Each is a one-pool DSparkDeployment beside $DSD.
+if [ -n "$HUB_PID" ]; then
+  python3 "$HERE/s3server.py" "$MODEL" >"$WORK/s3.url" 2>"$WORK/s3.log" &
+  S3_PID=$!
+  wait_until 60 "the loopback S3 server" test -s "$WORK/s3.url"
+  S3_URL="$(head -n1 "$WORK/s3.url")"
+  "$ROOT/tests/registry/registry.sh" up >"$WORK/registry.log" 2>&1 || { cat "$WORK/registry.log"; die "the registry did not start"; }
+  REGISTRY_UP=1
+  REG="$("$ROOT/tests/registry/registry.sh" addr)"
+  umoci init --layout "$WORK/weights"
+  umoci new --image "$WORK/weights:w"
+  umoci unpack --rootless --image "$WORK/weights:w" "$WORK/weights-bundle" >/dev/null
+  cp "$MODEL" "$WORK/weights-bundle/rootfs/"
+  umoci repack --image "$WORK/weights:w" "$WORK/weights-bundle" >/dev/null
+  skopeo copy -q --dest-tls-verify=false --digestfile "$WORK/weights.digest" \
+    "oci:$WORK/weights:w" "docker://$REG/dspark-test/smollm2-weights:e2e"
+  WEIGHTS="$REG/dspark-test/smollm2-weights@$(cat "$WORK/weights.digest")"
+  kubectl create secret generic -n "$NS" s3-creds --from-literal=AWS_ACCESS_KEY_ID=e2e-key \
+    --from-literal=AWS_SECRET_ACCESS_KEY=e2e-secret >/dev/null
+  kubectl create secret generic -n "$NS" hf-wrong --from-literal=token=hf_not_the_token >/dev/null
+  python3 - "$WORK/dsd.yaml" "$WORK" "$S3_URL" "$(basename "$MODEL")" "$WEIGHTS" <<'PY' || die "cannot write the source deployments"
+import copy, sys, yaml
+path, work, s3, name, weights = sys.argv[1:]
+base = yaml.safe_load(open(path))
+base["spec"]["pools"] = [p for p in base["spec"]["pools"] if p["name"] == "a100"]
+base["spec"]["pools"][0]["maxReplicas"] = 1
+for dsd, model in [("e2e-s3", {"s3": {"uri": f"s3://models/smollm2/{name}", "endpoint": s3,
+                                      "secretRef": {"name": "s3-creds"}}}),
+                   ("e2e-image", {"image": {"reference": weights, "path": name}}),
+                   ("e2e-gated", {"huggingFace": {"repo": "dspark-test/gated-SmolLM2-135M-Instruct-GGUF",
+                                                  "tokenSecretRef": {"name": "hf-wrong"}}})]:
+    d = copy.deepcopy(base)
+    d["metadata"] = {"name": dsd}
+    # No spec.model.id: each artifact keys its own cost table (the engine's model id carries
+    # the file name and the revision, so a table profiled on another source would not fit).
+    d["spec"]["model"] = model
+    yaml.safe_dump(d, open(f"{work}/{dsd}.yaml", "w"))
+PY
+  kubectl apply -n "$NS" -f "$WORK/e2e-s3.yaml" -f "$WORK/e2e-image.yaml" -f "$WORK/e2e-gated.yaml" >/dev/null
+  mark "applied e2e-s3 (s3://models/smollm2/$(basename "$MODEL") on $S3_URL, Secret s3-creds), e2e-image ($WEIGHTS) and e2e-gated (a gated Hub repo, Secret hf-wrong)"
+  cond_of() { kubectl get dsd -n "$NS" "$1" -o jsonpath="{.status.conditions[?(@.type==\"$2\")].$3}"; }
+  # serving DSD: a Ready engine pod of DSD answers a chat completion and ModelAvailable=True.
+  serving() {
+    local ip
+    ip="$(kubectl get pods -n "$NS" -l "serving.dspark.dev/deployment=$1,app.kubernetes.io/component=engine" \
+      -o jsonpath='{range .items[*]}{.status.podIP}{" "}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' |
+      awk '$2 == "True" {print $1; exit}')"
+    [ -n "$ip" ] && [ "$(cond_of "$1" ModelAvailable status)" = True ] || return 1
+    curl -fsS --max-time 60 "http://$ip:8000/v1/chat/completions" -H 'content-type: application/json' \
+      -d '{"model":"default","messages":[{"role":"user","content":"Say hello."}],"max_tokens":4}' >"$WORK/$1-answer.json"
+  }
+  wait_until 240 "e2e-s3 to fetch from S3 and answer" serving e2e-s3
+  mark "e2e-s3: fetched from S3 in its init container and answered; ModelAvailable=True: $(cond_of e2e-s3 ModelAvailable message)"
+  wait_until 120 "e2e-image to mount its image volume and answer" serving e2e-image
+  mark "e2e-image: the weights image pulled by digest into an image volume, served and answered"
+  gated_refused() { [ "$(cond_of e2e-gated ModelAvailable reason)" = Unauthorized ]; }
+  wait_until 120 "e2e-gated: ModelAvailable=False, Unauthorized" gated_refused
+  [ "$(cond_of e2e-gated ModelAvailable status)" = False ] || die "e2e-gated: ModelAvailable is not False"
+  GATED_MSG="$(cond_of e2e-gated ModelAvailable message)"
+  [[ "$GATED_MSG" == *"refused the token"*"HF_TOKEN"* ]] ||
+    die "e2e-gated: the condition does not carry the engine's message: $GATED_MSG"
+  gated_event() {
+    kubectl get events -n "$NS" --field-selector involvedObject.name=e2e-gated,reason=Unauthorized,type=Warning -o name | grep -q .
+  }
+  wait_until 30 "e2e-gated: an Unauthorized Warning Event" gated_event
+  mark "e2e-gated: the real fetch failed; ModelAvailable=False (Unauthorized): $GATED_MSG; Warning Event recorded"
+  kubectl delete dsd -n "$NS" e2e-s3 e2e-image e2e-gated --wait=true --timeout=60s >/dev/null
+  kubectl delete secret -n "$NS" s3-creds hf-wrong >/dev/null
+  kill "$S3_PID" 2>/dev/null || true
+  wait "$S3_PID" 2>/dev/null || true
+  S3_PID=""
+  "$ROOT/tests/registry/registry.sh" down >/dev/null 2>&1 || true
+  REGISTRY_UP=0
+fi
 
 # --- deletion ------------------------------------------------------------------------------
 kubectl delete dsd -n "$NS" "$DSD" --wait=true --timeout=60s >/dev/null

@@ -366,7 +366,7 @@ def _bytes_to_unicode():
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-if __name__ == "__main__":  # the e2e test's Hub: `fakehub.py [GGUF]` serves it as REPO below
+if __name__ == "__main__":  # the e2e test's Hub: `fakehub.py [GGUF]` serves it as the REPOs below
     import sys
     import time
 
@@ -374,6 +374,9 @@ if __name__ == "__main__":  # the e2e test's Hub: `fakehub.py [GGUF]` serves it 
     gguf = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     with FakeHub() as hub:
         hub.add_repo("dspark-test/SmolLM2-135M-Instruct-GGUF", {gguf.name: gguf})
+        # The same weights gated: only FAKEHUB_GATED_TOKEN opens it (the e2e's wrong-token check).
+        hub.add_repo("dspark-test/gated-SmolLM2-135M-Instruct-GGUF", {gguf.name: gguf},
+                     gated_token=os.environ.get("FAKEHUB_GATED_TOKEN", "hf_e2e_right_token"))
         print(hub.url, flush=True)
         while True:
             time.sleep(3600)

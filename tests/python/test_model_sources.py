@@ -222,6 +222,52 @@ def test_two_engines_on_one_cache_download_once_and_serve(hub, gguf, tmp_path):
         stop(b[0])
 
 
+def test_several_files_and_globs_fetch_exactly_those_and_serve(hub, folder, tmp_path):
+    # huggingface_hub's allow_patterns, as a DSparkDeployment's huggingFace.files sends them.
+    want = "config.json,*.safetensors,tokenizer*.json"
+    rc, out, err = fetch(f"hf://{FOLDER_REPO}/{want}", tmp_path, env_for(hub))
+    assert rc == 0, err
+    snapshot = Path(out["path"])
+    assert snapshot.name == hub.repos[FOLDER_REPO].commit
+    expected = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert expected <= {p.name for p in folder.iterdir()}
+    assert {p.name for p in snapshot.iterdir()} == expected
+    for name in expected:
+        assert (snapshot / name).read_bytes() == (folder / name).read_bytes()
+    # A selection whose pattern matches nothing names it and downloads nothing more.
+    rc, _, err = fetch(f"hf://{FOLDER_REPO}/config.json,*.bin", tmp_path, env_for(hub))
+    assert rc != 0 and "has no file '*.bin'" in err, err
+    # One GGUF named beside another file: the engine opens the GGUF.
+    rc, out, err = fetch(f"hf://{GGUF_REPO}/README.md,*.gguf", tmp_path, env_for(hub))
+    assert rc == 0, err
+    assert out["path"].endswith(".gguf") and (Path(out["path"]).parent / "README.md").is_file()
+    proc, url, log = start_engine(["--cache", str(tmp_path)], "dspark-src-files.log",
+                                  model=f"hf://{FOLDER_REPO}/{want}", env=env_for(hub))
+    try:
+        assert chat(url)["usage"]["completion_tokens"] > 0
+    finally:
+        stop(proc)
+
+
+def test_a_full_cache_volume_fails_before_writing_anything(hub, gguf, tmp_path):
+    # The cache on a 16 MiB tmpfs in a mount namespace of its own (root or user namespaces).
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here: {probe.stderr.decode().strip()}")
+    script = (f'mount -t tmpfs -o size=16m tmpfs "{cache}" && '
+              f'exec "{engine_bin()}" fetch "hf://{GGUF_REPO}/{gguf.name}" --cache "{cache}"')
+    start = len(hub.log)
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_for(hub),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stdout
+    assert f"no space left for hf://{GGUF_REPO}" in r.stderr and "MB are free" in r.stderr, r.stderr
+    # Checked before a weight byte moved (the operator reads this message as
+    # ModelAvailable=False, reason CacheVolumeFull: operator/src/reconcile/model.rs).
+    assert not [x for x in hub.log[start:] if x[1].startswith("/cdn/") and x[2] != "bytes=0-0"]
+
+
 def test_serve_a_hugging_face_folder(hub, tmp_path):
     proc, url, log = start_engine(["--cache", str(tmp_path)], "dspark-src-folder.log",
                                   model=f"hf://{FOLDER_REPO}", env=env_for(hub))

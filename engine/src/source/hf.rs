@@ -140,15 +140,30 @@ pub(super) async fn fetch(
             rev.to_string(),
         ))
         .create_ref(&info.sha)?;
-    let path = match (file, files.as_slice()) {
-        (None, [one]) if one.rfilename.ends_with(".gguf") => snapshot.join(&one.rfilename),
-        (Some(f), _) => snapshot.join(f),
-        (None, _) => snapshot.clone(),
+    let path = match model_path(file.is_some(), &files) {
+        "" => snapshot.clone(),
+        f => snapshot.join(f),
     };
     let marker = marker(&opts.cache, repo, &info.sha, file);
     std::fs::create_dir_all(marker.parent().expect("marker has a parent"))?;
     std::fs::write(&marker, path.to_string_lossy().as_bytes())?;
     Ok(fetched(repo, path, info.sha))
+}
+
+/// What the engine opens inside the snapshot: the one GGUF of the selection (a named file,
+/// or the repo's only GGUF; files named beside it, a tokenizer say, lie next to it), else
+/// the folder itself (`""`).
+fn model_path(named: bool, files: &[Sibling]) -> &str {
+    let ggufs: Vec<&str> = files
+        .iter()
+        .map(|s| s.rfilename.as_str())
+        .filter(|n| n.ends_with(".gguf"))
+        .collect();
+    match (named, files, ggufs.as_slice()) {
+        (true, [one], _) => &one.rfilename,
+        (_, _, [gguf]) if !files.iter().any(|s| s.rfilename == "config.json") => gguf,
+        _ => "",
+    }
 }
 
 /// One download attempt on a runtime of its own: when a chunk fails, `hf-hub` returns while
@@ -208,8 +223,25 @@ fn marker(cache: &Path, repo: &str, sha: &str, file: Option<&str>) -> PathBuf {
     cache.join(".dspark").join("complete").join(format!(
         "{}--{sha}--{}",
         super::sanitize(repo),
-        super::sanitize(file.unwrap_or("_all"))
+        selection_key(file)
     ))
+}
+
+/// A file-name-safe key of a selection: the name itself for one plain path (as before
+/// selections existed), plus a digest when `,` or glob characters would collide once
+/// sanitized (`a*` and `a?`).
+fn selection_key(file: Option<&str>) -> String {
+    use sha2::Digest;
+    let Some(f) = file else {
+        return "_all".into();
+    };
+    let key = super::sanitize(f);
+    if f.contains([',', '*', '?', '[', ']']) {
+        let d = sha2::Sha256::digest(f.as_bytes());
+        format!("{key}-{:x}", &d)[..key.len() + 13].to_string()
+    } else {
+        key
+    }
 }
 
 /// A complete cached copy of `repo@rev` (a commit, or a branch through the cache's refs).
@@ -267,6 +299,24 @@ fn status_message(code: u16, repo: &str, rev: &str, file: Option<&str>, has_toke
     }
 }
 
+/// Is `name` one of the files `want` names (an exact path or a glob: `*`, `?`, `[...]`, which
+/// do not cross `/`, as huggingface_hub's `allow_patterns`)?
+fn matches(want: &str, name: &str) -> Result<bool> {
+    if !want.contains(['*', '?', '[']) {
+        return Ok(want == name);
+    }
+    let p = glob::Pattern::new(want).with_context(|| format!("bad file pattern '{want}'"))?;
+    Ok(p.matches_with(
+        name,
+        glob::MatchOptions {
+            require_literal_separator: true,
+            ..Default::default()
+        },
+    ))
+}
+
+/// The files of `info` to fetch: those `file` names (one path, or several paths and globs
+/// separated by `,`; each must match something), else the model folder, else the one GGUF.
 fn select(info: &Info, repo: &str, rev: &str, file: Option<&str>) -> Result<Vec<Sibling>> {
     let names = || {
         info.siblings
@@ -276,12 +326,24 @@ fn select(info: &Info, repo: &str, rev: &str, file: Option<&str>) -> Result<Vec<
             .join(", ")
     };
     if let Some(f) = file {
-        let s = info
-            .siblings
-            .iter()
-            .find(|s| s.rfilename == f)
-            .with_context(|| format!("hf://{repo}@{rev} has no file '{f}'; it has: {}", names()))?;
-        return Ok(vec![s.clone()]);
+        let mut out: Vec<Sibling> = Vec::new();
+        for want in f.split(',') {
+            let mut hit = false;
+            for s in &info.siblings {
+                if matches(want, &s.rfilename)? {
+                    hit = true;
+                    if !out.iter().any(|o| o.rfilename == s.rfilename) {
+                        out.push(s.clone());
+                    }
+                }
+            }
+            anyhow::ensure!(
+                hit,
+                "hf://{repo}@{rev} has no file '{want}'; it has: {}",
+                names()
+            );
+        }
+        return Ok(out);
     }
     if info.siblings.iter().any(|s| s.rfilename == "config.json") {
         return Ok(info
@@ -474,6 +536,51 @@ mod tests {
         assert!(pick(&["a.gguf"], Some("c.gguf"))
             .unwrap_err()
             .contains("has no file 'c.gguf'; it has: a.gguf"));
+        // Several files: paths and globs, in order, each once; globs do not cross `/`.
+        let repo = [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "original/consolidated.safetensors",
+            "tokenizer.json",
+            "m.Q4.gguf",
+            "m.Q8.gguf",
+        ];
+        assert_eq!(
+            pick(
+                &repo,
+                Some("config.json,*.safetensors,tokenizer.json,config.json")
+            )
+            .unwrap(),
+            [
+                "config.json",
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "tokenizer.json"
+            ]
+        );
+        assert_eq!(
+            pick(&repo, Some("original/*")).unwrap(),
+            ["original/consolidated.safetensors"]
+        );
+        assert!(pick(&repo, Some("config.json,*.bin"))
+            .unwrap_err()
+            .contains("has no file '*.bin'"));
+        assert!(pick(&repo, Some("["))
+            .unwrap_err()
+            .contains("bad file pattern '['"));
+        let files = |f: &str| select(&info(&repo), "o/r", "main", Some(f)).unwrap();
+        assert_eq!(model_path(true, &files("*Q8.gguf")), "m.Q8.gguf");
+        assert_eq!(
+            model_path(true, &files("m.Q4.gguf,tokenizer.json")),
+            "m.Q4.gguf"
+        );
+        assert_eq!(model_path(true, &files("*.gguf")), "");
+        assert_eq!(model_path(true, &files("config.json,*.safetensors")), "");
+        assert_eq!(model_path(false, &files("config.json,m.Q4.gguf")), "");
+        // Selections that sanitize alike keep apart in the completion markers.
+        assert_ne!(selection_key(Some("a*")), selection_key(Some("a?")));
+        assert_eq!(selection_key(Some("m.Q4.gguf")), "m.Q4.gguf");
     }
 
     #[test]

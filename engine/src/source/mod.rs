@@ -1,5 +1,6 @@
-//! Where weights come from: a local path, `hf://ORG/REPO[@REVISION][/FILE]` (a GGUF file or a
-//! whole Hugging Face folder), `s3://BUCKET/KEY` (any S3-compatible endpoint) or `https://...`.
+//! Where weights come from: a local path, `hf://ORG/REPO[@REVISION][/FILE[,FILE...]]` (a GGUF
+//! file, a whole Hugging Face folder, or the files named: paths and globs such as
+//! `*.safetensors`), `s3://BUCKET/KEY` (any S3-compatible endpoint) or `https://...`.
 //!
 //! Remote sources are fetched once into a cache folder shared by every process that names
 //! it (replicas on one cache volume): an exclusive lock per source makes the second process
@@ -30,6 +31,7 @@ pub enum Source {
     HuggingFace {
         repo: String,
         revision: Option<String>,
+        /// One path in the repo, or several paths and globs separated by `,`.
         file: Option<String>,
     },
     S3 {
@@ -52,8 +54,9 @@ impl std::str::FromStr for Source {
             return Ok(Source::Local(PathBuf::from(s)));
         };
         match scheme {
-            "hf" => parse_hf(rest)
-                .with_context(|| format!("bad source '{s}': use hf://ORG/REPO[@REVISION][/FILE]")),
+            "hf" => parse_hf(rest).with_context(|| {
+                format!("bad source '{s}': use hf://ORG/REPO[@REVISION][/FILE[,FILE...]]")
+            }),
             "s3" => {
                 let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
                 anyhow::ensure!(
@@ -102,10 +105,12 @@ fn parse_hf(rest: &str) -> Result<Source> {
         );
     }
     if let Some(f) = file {
-        anyhow::ensure!(
-            !f.split('/').any(|c| c == ".." || c.is_empty()),
-            "bad file path '{f}'"
-        );
+        for one in f.split(',') {
+            anyhow::ensure!(
+                !one.split('/').any(|c| c == ".." || c.is_empty()),
+                "bad file path '{one}'"
+            );
+        }
     }
     Ok(Source::HuggingFace {
         repo: format!("{org}/{name}"),
@@ -376,8 +381,13 @@ mod tests {
             Source::Https("https://example.org/a.gguf".into())
         );
         assert_eq!(p("/models/a.gguf"), Source::Local("/models/a.gguf".into()));
+        assert_eq!(
+            p("hf://org/repo@v1/config.json,*.safetensors"),
+            hf("org/repo", Some("v1"), Some("config.json,*.safetensors"))
+        );
         for s in [
             "hf://org/repo@v1/x.gguf",
+            "hf://o/r/a.json,b/*.gguf",
             "s3://b/k",
             "hf://o/r",
             "https://h/p",
@@ -394,6 +404,8 @@ mod tests {
         assert!(e("hf://justone").contains("ORG/REPO"));
         assert!(e("hf://o/r@/f").contains("revision"));
         assert!(e("hf://o/r/../x").contains("bad file path"));
+        assert!(e("hf://o/r/a.json,,b").contains("bad file path ''"));
+        assert!(e("hf://o/r/a.json,../b").contains("bad file path '../b'"));
         assert!(e("s3://bucket").contains("s3://BUCKET/KEY"));
     }
 

@@ -166,10 +166,15 @@ pub struct HuggingFaceSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 255))]
     pub revision: Option<String>,
-    /// The one file to use (a GGUF file in a repo of several); unset: the repo's model folder
+    /// The files to fetch: paths in the repo or globs (`*.safetensors`, `original/*`; they do
+    /// not cross `/`, as huggingface_hub's `allow_patterns`), each of which must match. The
+    /// engine opens the one GGUF among them, else the folder. Unset: the repo's model folder
     /// (config, safetensors, tokenizer) or its only GGUF file.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 1), inner(length(min = 1, max = 512)))]
+    #[schemars(
+        length(max = 64),
+        inner(length(min = 1, max = 512), regex(pattern = "^[^,]+$"))
+    )]
     pub files: Vec<String>,
     /// A Secret key holding the Hub token (gated or private repos), passed as HF_TOKEN.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -858,9 +863,10 @@ impl ModelSource {
                 u.push('@');
                 u.push_str(r);
             }
-            if let Some(f) = hf.files.first() {
+            if !hf.files.is_empty() {
                 u.push('/');
-                u.push_str(f.trim_start_matches('/'));
+                let files: Vec<&str> = hf.files.iter().map(|f| f.trim_start_matches('/')).collect();
+                u.push_str(&files.join(","));
             }
             return Some(u);
         }

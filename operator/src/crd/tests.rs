@@ -87,3 +87,27 @@ fn engine_version_defaults_to_the_image_tag() {
     e.version = Some("9.9".into());
     assert_eq!(e.effective_version(), "9.9");
 }
+
+#[test]
+fn a_hugging_face_source_fetches_every_file_it_names() {
+    let src = |files: &[&str]| ModelSource {
+        hugging_face: Some(HuggingFaceSource {
+            repo: "org/repo".into(),
+            revision: Some("v1".into()),
+            files: files.iter().map(|f| f.to_string()).collect(),
+            token_secret_ref: None,
+        }),
+        ..Default::default()
+    };
+    assert_eq!(src(&[]).fetch_uri().unwrap(), "hf://org/repo@v1");
+    assert_eq!(
+        src(&["m.Q4_1.gguf"]).fetch_uri().unwrap(),
+        "hf://org/repo@v1/m.Q4_1.gguf"
+    );
+    assert_eq!(
+        src(&["config.json", "/*.safetensors", "tokenizer.json"])
+            .fetch_uri()
+            .unwrap(),
+        "hf://org/repo@v1/config.json,*.safetensors,tokenizer.json"
+    );
+}
