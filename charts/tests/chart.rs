@@ -460,13 +460,14 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
 
         // Its ClusterRole is enough to reconcile a DSparkDeployment (no engines: 0 replicas,
-        // no profiling, no autoscaling).
+        // no profiling, no autoscaling). The weights are a volume: a remote source gets its
+        // cost table only once a fetch resolved its revision, and no pod fetches here.
         let dsd = r#"
 apiVersion: serving.dspark.dev/v1alpha1
 kind: DSparkDeployment
 metadata: {name: rbac-probe}
 spec:
-  model: {id: m, uri: "hf://example/m"}
+  model: {id: m, hostPath: {path: /var/lib/dspark/models/m.gguf}, allowHostPath: true}
   engine: {image: dspark/engine:dev}
   pools:
     - {name: a100, nodeType: a100-80gb, minReplicas: 0, maxReplicas: 1}

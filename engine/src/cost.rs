@@ -133,14 +133,28 @@ impl CostTables {
         Ok(active)
     }
 
-    /// Loads `path` now (an error is returned, so a bad `--cost-table` fails at start-up),
-    /// then polls it every `every` and reinstalls when its content changes; a bad new
-    /// content is logged and counted, and the current table stays.
+    /// Loads `path` now, then polls it every `every` and reinstalls when its content
+    /// changes; a bad new content is logged and counted, and the current table stays.
+    /// At start-up an unreadable or invalid table is an error (a bad `--cost-table` fails
+    /// fast), but a valid table measured for another model, device or engine version only
+    /// logs an error, counts a refusal and leaves the built-in default in force: a mounted
+    /// table that does not fit (a new commit of the weights, a moved S3 object) must not
+    /// crash-loop a fleet over what is only a speed table.
     pub fn watch_file(self: &Arc<Self>, path: &Path, every: Duration) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("cannot read cost table {}: {e}", path.display()))?;
-        self.install(&text, CostTableSource::File)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        match self.install(&text, CostTableSource::File) {
+            Ok(_) => {}
+            Err(
+                e @ (CostTableError::WrongModel { .. }
+                | CostTableError::WrongDevice { .. }
+                | CostTableError::WrongEngineVersion { .. }),
+            ) => tracing::error!(
+                "cost table {} does not fit this engine, serving on the built-in default: {e}",
+                path.display()
+            ),
+            Err(e) => anyhow::bail!("{}: {e}", path.display()),
+        }
         let me = self.clone();
         let path: PathBuf = path.to_path_buf();
         std::thread::Builder::new()
@@ -288,5 +302,40 @@ mod tests {
             .watch_file(Path::new("/nonexistent/ct.json"), Duration::from_secs(1))
             .unwrap_err();
         assert!(e.to_string().contains("/nonexistent/ct.json"), "{e}");
+        let path = std::env::temp_dir().join(format!("dspark-ct-bad-{}.json", std::process::id()));
+        std::fs::write(&path, table("m", &[(1, 10.0), (8, 50.0)])).unwrap();
+        let e = c.watch_file(&path, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("not monotone"), "{e}");
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// A valid table for another model (a new commit of the weights) at start leaves the
+    /// default in force and counts a refusal; once the file holds a fitting table, it is
+    /// installed.
+    #[test]
+    fn a_table_for_another_model_at_start_serves_the_default_until_one_fits() {
+        let dir = std::env::temp_dir().join(format!("dspark-cost-other-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cost-table.json");
+        std::fs::write(&path, table("m@0123456789ab", &[(1, 100.0), (4, 60.0)])).unwrap();
+        let metrics = Arc::new(Metrics::new("m"));
+        let c = Arc::new(CostTables::new(
+            "m@ba9876543210",
+            "cpu",
+            Some(metrics.clone()),
+        ));
+        c.watch_file(&path, Duration::from_millis(20)).unwrap();
+        assert_eq!(c.current().source, CostTableSource::Default);
+        assert_eq!(metrics.cost_table_refusals.get(), 1);
+        std::fs::write(&path, table("m@ba9876543210", &[(1, 100.0), (4, 70.0)])).unwrap();
+        for _ in 0..200 {
+            if c.current().source == CostTableSource::File {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(c.current().source, CostTableSource::File);
+        assert_eq!(c.current().sps(4), 70.0);
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -48,8 +48,14 @@ struct FetchArgs {
     /// ~/.cache/huggingface/hub).
     #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
-    /// On failure, also write the error here (at most 4096 bytes): a Kubernetes init
-    /// container's termination message, which the operator shows as ModelAvailable=False.
+    /// A file of `SOURCE REVISION` lines: a Hub source listed there is fetched at that commit
+    /// (the operator pins a branch once the first fetch resolved it). Missing: nothing pinned.
+    #[arg(long = flags::REVISION_PINS, env = cenv::REVISION_PINS)]
+    revision_pins: Option<PathBuf>,
+    /// On failure, the error (at most 4096 bytes), on success the JSON printed on stdout: a
+    /// Kubernetes init container's termination message, which the operator reads
+    /// (ModelAvailable=False with the error; the resolved revision it pins and keys cost
+    /// tables by).
     #[arg(long = flags::TERMINATION_LOG)]
     termination_log: Option<PathBuf>,
 }
@@ -85,6 +91,9 @@ struct ProfileArgs {
     /// The cache folder for remote sources (see `fetch --cache`).
     #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
+    /// Revisions the deployment pinned (see `fetch --revision-pins`).
+    #[arg(long = flags::REVISION_PINS, env = cenv::REVISION_PINS)]
+    revision_pins: Option<PathBuf>,
     /// Where to write the table (default: stdout).
     #[arg(long = flags::OUTPUT)]
     output: Option<PathBuf>,
@@ -144,6 +153,9 @@ struct ServeArgs {
     /// The cache folder for remote sources (see `fetch --cache`).
     #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
     cache: Option<PathBuf>,
+    /// Revisions the deployment pinned (see `fetch --revision-pins`).
+    #[arg(long = flags::REVISION_PINS, env = cenv::REVISION_PINS)]
+    revision_pins: Option<PathBuf>,
     #[arg(long = flags::HOST, default_value = "127.0.0.1")]
     host: String,
     #[arg(long = flags::PORT, default_value_t = ports::HTTP)]
@@ -253,7 +265,7 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn fetch(a: FetchArgs) -> Result<()> {
-    let f = match source::resolve_arg(&a.source, a.cache) {
+    let f = match source::resolve_arg(&a.source, a.cache, a.revision_pins.as_deref()) {
         Ok(f) => f,
         Err(e) => {
             if let Some(p) = &a.termination_log {
@@ -272,15 +284,18 @@ fn fetch(a: FetchArgs) -> Result<()> {
             return Err(e);
         }
     };
-    println!(
-        "{}",
-        serde_json::json!({
-            "source": a.source,
-            "path": f.path,
-            "revision": f.revision,
-            "model_id": f.model_id(),
-        })
-    );
+    let report = serde_json::json!({
+        "source": a.source,
+        "path": f.path,
+        "revision": f.revision,
+        "model_id": f.model_id(),
+    })
+    .to_string();
+    println!("{report}");
+    if let Some(p) = &a.termination_log {
+        std::fs::write(p, &report)
+            .with_context(|| format!("cannot write the termination log {}", p.display()))?;
+    }
     Ok(())
 }
 
@@ -404,11 +419,11 @@ fn serve(a: ServeArgs) -> Result<()> {
                 )?,
         ),
     };
-    let model = source::resolve_arg(&a.model, a.cache.clone())?;
+    let model = source::resolve_arg(&a.model, a.cache.clone(), a.revision_pins.as_deref())?;
     let drafter = a
         .drafter
         .as_deref()
-        .map(|d| source::resolve_arg(d, a.cache.clone()))
+        .map(|d| source::resolve_arg(d, a.cache.clone(), a.revision_pins.as_deref()))
         .transpose()?;
     let remote = model.revision.is_some();
     let (state, summary) = runtime::start(&AppOptions {
@@ -497,7 +512,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
     use dspark_engine::profile::{cost_table, log_grid, measure, ProfileOptions};
     loader::init_threads(a.threads);
     let device = loader::device(&a.device)?;
-    let fetched = source::resolve_arg(&a.model, a.cache.clone())?;
+    let fetched = source::resolve_arg(&a.model, a.cache.clone(), a.revision_pins.as_deref())?;
     let (mut model, _) = loader::load(&fetched.path, &device, true)?;
     if fetched.revision.is_some() {
         model.id = fetched.model_id();
@@ -505,7 +520,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
     let drafter = a
         .drafter
         .as_deref()
-        .map(|d| source::resolve_arg(d, a.cache.clone()))
+        .map(|d| source::resolve_arg(d, a.cache.clone(), a.revision_pins.as_deref()))
         .transpose()?
         .map(|d| d.path);
     if a.batches.contains(&0) {

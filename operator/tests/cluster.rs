@@ -242,8 +242,13 @@ fn sample(file: &str) -> DSparkDeployment {
 /// drafter, metrics scraped from the pods instead of Prometheus.
 fn two_pools() -> DSparkDeployment {
     let mut dsd = sample("dsparkdeployment-two-pools.yaml");
+    // Weights on the node (no PVC to bind, no fetch to wait for: a remote source is profiled
+    // only once a fetch resolved its revision, which needs a kubelet running init containers).
     dsd.spec.model.pvc = None;
-    dsd.spec.model.uri = Some("hf://qwen3-8b".into());
+    dsd.spec.model.host_path = Some(dspark_operator::crd::HostPathSource {
+        path: "/var/lib/dspark/models/qwen3-8b".into(),
+    });
+    dsd.spec.model.allow_host_path = Some(true);
     dsd.spec.drafter = None;
     dsd.spec.autoscaling.metrics_source = Default::default();
     dsd.spec.autoscaling.prometheus_url = None;
@@ -2892,9 +2897,27 @@ async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
         .unwrap_or_default()
         .contains("refused the token"));
 
-    // The Secret is fixed and the next attempt succeeds.
+    // Nothing fetched yet: no cost table is keyed (its key needs the resolved revision).
+    let c = wait_condition(&dsds, "smollm2", "Profiled", "False").await;
+    assert_eq!(c.reason, "WaitingForRevision", "{c:?}");
+    let tables: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
+    assert!(tables
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .is_empty());
+
+    // The Secret is fixed and the next attempt succeeds; its termination message is the
+    // fetch's report, with the commit `main` resolved to.
+    let commit = "5a1e0c0ffee5a1e0c0ffee5a1e0c0ffee5a1e0c0";
+    let report = serde_json::json!({
+        "source": "hf://dspark-test/gated-qwen3", "path": "/models/cache/x",
+        "revision": commit, "model_id": "gated-qwen3@5a1e0c0ffee5",
+    })
+    .to_string();
     let done = fetch_status(
-        serde_json::json!({"terminated": {"exitCode": 0, "reason": "Completed"}}),
+        serde_json::json!({"terminated": {"exitCode": 0, "reason": "Completed", "message": report}}),
         serde_json::json!({"terminated": {"exitCode": 1, "reason": "Error", "message": refused}}),
     );
     pods.patch_status(
@@ -2906,6 +2929,42 @@ async fn a_failed_model_fetch_shows_as_model_available_false_with_an_event() {
     .unwrap();
     let c = wait_condition(&dsds, "smollm2", "ModelAvailable", "True").await;
     assert_eq!(c.reason, "Fetched");
+    // The revision is recorded, keys the pool's cost table and is pinned in its ConfigMap.
+    let resolved = wait_for("status.resolvedSources", || {
+        let dsds = dsds.clone();
+        async move {
+            let s = dsds.get("smollm2").await.ok()?.status?;
+            s.resolved_sources.first().cloned()
+        }
+    })
+    .await;
+    assert_eq!(
+        (resolved.role.as_str(), resolved.revision.as_str()),
+        ("model", commit)
+    );
+    assert_eq!(resolved.pod, pod.name_any());
+    let table = wait_for("a cost table keyed by the commit", || {
+        let tables = tables.clone();
+        async move { tables.list(&ListParams::default()).await.ok()?.items.pop() }
+    })
+    .await;
+    assert_eq!(
+        table.spec.model_id,
+        format!("hf://dspark-test/gated-qwen3@{commit}")
+    );
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let pins = wait_for("the pool ConfigMap's revision pins", || {
+        let cms = cms.clone();
+        async move {
+            cms.get("smollm2-a100-cost-table")
+                .await
+                .ok()?
+                .data?
+                .remove("revision-pins")
+        }
+    })
+    .await;
+    assert_eq!(pins, format!("hf://dspark-test/gated-qwen3 {commit}\n"));
     handle.abort();
     drop_namespace(&client, &ns).await;
 }

@@ -185,7 +185,9 @@ jobs_done() {
   n="$(kubectl get jobs -n "$NS" -l app.kubernetes.io/component=profiler -o jsonpath='{range .items[*]}{.status.succeeded}{"\n"}{end}' | grep -c '^1$' || true)"
   [ "$n" -ge 2 ]
 }
-wait_until 60 "two profiling Jobs" sh -c "[ \$(kubectl get jobs -n $NS -l app.kubernetes.io/component=profiler -o name | wc -l) -ge 2 ]"
+# A Hub source is profiled once the first fetch has resolved its commit (the table's key
+# carries it): an engine pod's init container fetches first.
+wait_until 240 "two profiling Jobs" sh -c "[ \$(kubectl get jobs -n $NS -l app.kubernetes.io/component=profiler -o name | wc -l) -ge 2 ]"
 mark "profiling Jobs created: $(kubectl get jobs -n "$NS" -l app.kubernetes.io/component=profiler -o jsonpath='{.items[*].metadata.name}')"
 wait_until 300 "the profiling Jobs to complete" jobs_done
 # Each profiling pod ran on a node of its table's node type.
@@ -222,6 +224,34 @@ for t in json.load(open(sys.argv[1]))["items"]:
     assert s["table"]["points"] and s["table"]["node_type"] == nt
 EOF2
 mark "DSparkCostTables hold tables (phase Ready)"
+if [ -n "${HUB:-}" ]; then
+  # The commit the Hub serves is what the first fetch resolved, what the tables are keyed by,
+  # and what the pool ConfigMaps pin for every later fetch.
+  curl -sf "$HUB/api/models/dspark-test/SmolLM2-135M-Instruct-GGUF/revision/main" >"$WORK/hub-info.json" ||
+    die "the loopback Hub does not answer its model info"
+  kubectl get dsd -n "$NS" "$DSD" -o json >"$WORK/dsd-status.json"
+  kubectl get dsct -n "$NS" -o json >"$WORK/dsct.json"
+  kubectl get cm -n "$NS" -o json >"$WORK/cms.json"
+  python3 - "$WORK" <<'EOF3' || die "the resolved revision is not what keys and pins the model"
+import json, sys
+w = sys.argv[1]
+sha = json.load(open(f"{w}/hub-info.json"))["sha"]
+source = "hf://dspark-test/SmolLM2-135M-Instruct-GGUF"
+# The previous chart's CRD has no status.resolvedSources: this operator keeps the resolution
+# in memory there (and stores it once the upgrade below applied its CRD).
+res = {r["role"]: r for r in json.load(open(f"{w}/dsd-status.json"))["status"].get("resolvedSources", [])}
+print(f"[e2e]   Hub commit {sha}; status.resolvedSources.model (not in the previous CRD): {res.get('model')}")
+for t in json.load(open(f"{w}/dsct.json"))["items"]:
+    assert t["spec"]["modelId"].endswith("@" + sha), t["spec"]
+    # Measured by a profiling pod that fetched that commit.
+    assert t["status"]["table"]["model_id"].endswith("@" + sha[:12]), t["status"]["table"]["model_id"]
+pins = [c["data"]["revision-pins"] for c in json.load(open(f"{w}/cms.json"))["items"] if "revision-pins" in c.get("data", {})]
+assert len(pins) == 2 and all(p == f"{source} {sha}\n" for p in pins), pins
+print(f"[e2e]   both tables keyed by @{sha[:12]} and measured on it; both pool ConfigMaps pin it")
+EOF3
+  SHA="$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["sha"])' "$WORK/hub-info.json")"
+  mark "the first fetch resolved the Hub's commit: it keys both cost tables and is pinned in both pools' ConfigMaps"
+fi
 
 # --- engines -------------------------------------------------------------------------------
 # engines_json: every engine pod with pool, node, node type, IP, readiness, as JSON lines.
@@ -383,6 +413,14 @@ new_leader() { local h; h="$(leader)"; [ -n "$h" ] && [ "$h" != "$OPPOD" ]; }
 wait_until 90 "the upgraded operator to take the Lease over" new_leader
 wait_until 60 "the upgraded operator to apply its CRDs" crd_has_suspend
 mark "upgraded (REVISION $(awk '/^REVISION:/ {print $2}' "$WORK/helm-upgrade.log")): $(leader) leads; CRD schema revision $(kubectl get crd "$CRD" -o jsonpath='{.metadata.annotations.serving\.dspark\.dev/schema-revision}') applied by the operator (spec.suspend now served)"
+if [ -n "${SHA:-}" ]; then
+  # The new CRD stores the resolution the operator kept in memory.
+  resolved_stored() {
+    [ "$(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.resolvedSources[?(@.role=="model")].revision}')" = "$SHA" ]
+  }
+  wait_until 60 "status.resolvedSources to hold the Hub commit" resolved_stored
+  info "status.resolvedSources: $(kubectl get dsd -n "$NS" "$DSD" -o jsonpath='{.status.resolvedSources}')"
+fi
 # The new field works end to end with the upgraded operator: suspend, then resume.
 dsd_condition() { kubectl get dsd -n "$NS" "$DSD" -o jsonpath="{.status.conditions[?(@.type==\"$1\")].status}"; }
 kubectl patch dsd -n "$NS" "$DSD" --type merge -p '{"spec":{"suspend":true}}' >/dev/null

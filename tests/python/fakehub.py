@@ -164,7 +164,10 @@ class FakeHub:
             if auth != f"Bearer {repo.gated_token}":
                 self._error(h, 401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access to it and be authenticated to access it. Please log in.")
                 return None, None
-        commit = repo.refs.get(rev) or (rev if rev == repo.commit else None)
+        # A branch, the repo's commit, or a commit a branch was moved to (tests move `main`;
+        # the files are the same at every commit).
+        known = rev == repo.commit or rev in repo.refs.values()
+        commit = repo.refs.get(rev) or (rev if known else None)
         if commit is None:
             self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
             return None, None

@@ -138,6 +138,49 @@ def test_fetch_gguf_into_the_hub_cache_layout(hub, gguf, tmp_path):
     assert pinned["path"] == out["path"]
 
 
+def test_a_pinned_commit_holds_when_the_branch_moves(hub, gguf, tmp_path):
+    """The operator pins the commit a deployment's first fetch resolved (a `SOURCE REVISION`
+    line in the revision pins file): after the branch moved, a fetch of the same source string
+    still gets that commit, while an unpinned one follows the branch. The success report (the
+    JSON on stdout) is the termination message the operator reads the revision from."""
+    source = f"hf://{GGUF_REPO}@main/{gguf.name}"
+    repo = hub.repos[GGUF_REPO]
+    commit, moved = repo.commit, "f" * 40
+    pins = tmp_path / "revision-pins"
+    pins.write_text(f"hf://{GGUF_REPO}/other.gguf {moved}\n{source} {commit}\n")
+    repo.refs["main"] = moved
+    try:
+        rc, unpinned, err = fetch(source, tmp_path / "c1", env_for(hub))
+        assert rc == 0, err
+        assert unpinned["revision"] == moved
+
+        def pinned_fetch(cache):
+            term = tmp_path / f"{cache}.termination-log"
+            r = subprocess.run([str(engine_bin()), "fetch", source, "--cache", str(tmp_path / cache),
+                                "--revision-pins", str(pins), "--termination-log", str(term)],
+                               env=env_for(hub), capture_output=True, text=True, timeout=300)
+            return r, (term.read_text() if term.exists() else "")
+
+        r, term = pinned_fetch("c2")
+        assert r.returncode == 0, r.stderr
+        report = json.loads(term)
+        assert report == json.loads(r.stdout)
+        assert (report["source"], report["revision"]) == (source, commit)
+        assert report["model_id"] == f"{gguf.stem}@{commit[:12]}"
+        # The engine's own resolution honours the pins the same way (DSPARK_REVISION_PINS).
+        env = env_for(hub, DSPARK_REVISION_PINS=str(pins))
+        rc, viaenv, err = fetch(source, tmp_path / "c3", env)
+        assert rc == 0, err
+        assert viaenv["revision"] == commit
+        # A pin the Hub does not know fails, naming it, and the error is the message.
+        pins.write_text(f"{source} {'0' * 40}\n")
+        r, term = pinned_fetch("c4")
+        assert r.returncode != 0
+        assert "0" * 40 in term, term
+    finally:
+        repo.refs["main"] = commit
+
+
 def test_interrupted_download_resumes_where_it_stopped(hub, gguf, tmp_path):
     sha = sha256(gguf)
     start = len(hub.log)

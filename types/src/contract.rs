@@ -52,6 +52,9 @@ pub mod flags {
     pub const NODE_TYPE: &str = "node-type";
     /// `profile`: the file the compact table goes to (the pod's termination-message path).
     pub const TERMINATION_LOG: &str = "termination-log";
+    /// `fetch`, `serve`, `profile`: a file of revisions a deployment pinned, one
+    /// `SOURCE REVISION` per line (see [`super::pins`]).
+    pub const REVISION_PINS: &str = "revision-pins";
 
     /// `--NAME` as one command-line word.
     pub fn arg(name: &str) -> String {
@@ -65,6 +68,8 @@ pub mod env {
     pub const MODEL: &str = "DSPARK_MODEL";
     /// `--cache`.
     pub const MODEL_CACHE: &str = "DSPARK_MODEL_CACHE";
+    /// `--revision-pins`.
+    pub const REVISION_PINS: &str = "DSPARK_REVISION_PINS";
     /// `--node-type` (profile) and the node type a pod reports.
     pub const NODE_TYPE: &str = "DSPARK_NODE_TYPE";
     /// `--policy`.
@@ -442,5 +447,41 @@ mod tests {
         );
         assert_eq!(SPEC_DRAFTS.sample(), "dspark_spec_decode_num_drafts_total");
         assert_eq!(ITL.kind, Kind::Histogram);
+    }
+}
+
+/// Revision pins: the operator resolves a Hub branch once (the first fetch reports the commit)
+/// and writes `SOURCE REVISION` lines into the pool's ConfigMap; every later fetch of that
+/// exact source string (engine, init container, profiling Job) uses that commit, so replicas
+/// started at different times serve the same bytes and the cost table keyed by the commit fits.
+pub mod pins {
+    /// The ConfigMap key (and file name next to the cost table) holding the pins.
+    pub const KEY: &str = "revision-pins";
+
+    /// The pins file's text for `(source, revision)` pairs.
+    pub fn render<'a>(pins: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+        pins.into_iter()
+            .map(|(s, r)| format!("{s} {r}\n"))
+            .collect()
+    }
+
+    /// The revision pinned for `source` in `text`, if any.
+    pub fn lookup<'a>(text: &'a str, source: &str) -> Option<&'a str> {
+        text.lines().find_map(|l| {
+            let (s, r) = l.trim().rsplit_once(' ')?;
+            (s.trim() == source.trim() && !r.is_empty()).then_some(r)
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn pins_round_trip_and_match_only_the_exact_source() {
+            let t = super::render([("hf://o/r@main/m.gguf", "abc"), ("s3://b/k", "e1")]);
+            assert_eq!(super::lookup(&t, "hf://o/r@main/m.gguf"), Some("abc"));
+            assert_eq!(super::lookup(&t, " s3://b/k "), Some("e1"));
+            assert_eq!(super::lookup(&t, "hf://o/r/m.gguf"), None);
+            assert_eq!(super::lookup("", "x"), None);
+        }
     }
 }

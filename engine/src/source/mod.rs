@@ -248,9 +248,38 @@ pub fn resolve(source: &Source, opts: &FetchOptions) -> Result<Fetched> {
     res.with_context(|| format!("cannot fetch {source}"))
 }
 
-/// Parses and resolves a `--model` / `--drafter` argument, logging where it came from.
-pub fn resolve_arg(arg: &str, cache: Option<PathBuf>) -> Result<Fetched> {
-    let source: Source = arg.parse()?;
+/// `source` (parsed from `arg`) at the revision the pins file holds for `arg`: a Hub source
+/// is fetched at the pinned commit; S3 and HTTP objects have no old revisions to ask for and
+/// are fetched as they are. A missing pins file (nothing pinned yet) pins nothing.
+pub fn pinned(arg: &str, source: Source, pins: Option<&Path>) -> Result<Source> {
+    let Some(path) = pins else {
+        return Ok(source);
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(source),
+        Err(e) => anyhow::bail!("cannot read the revision pins {}: {e}", path.display()),
+    };
+    let Some(rev) = dspark_types::contract::pins::lookup(&text, arg) else {
+        return Ok(source);
+    };
+    Ok(match source {
+        Source::HuggingFace { repo, file, .. } => {
+            tracing::info!(source = arg, revision = rev, "revision pinned");
+            Source::HuggingFace {
+                repo,
+                revision: Some(rev.to_string()),
+                file,
+            }
+        }
+        other => other,
+    })
+}
+
+/// Parses and resolves a `--model` / `--drafter` argument (at its pinned revision, see
+/// [`pinned`]), logging where it came from.
+pub fn resolve_arg(arg: &str, cache: Option<PathBuf>, pins: Option<&Path>) -> Result<Fetched> {
+    let source = pinned(arg, arg.parse()?, pins)?;
     let remote = !matches!(source, Source::Local(_));
     let f = resolve(&source, &FetchOptions::from_env(cache))?;
     if remote {
@@ -407,6 +436,41 @@ mod tests {
         assert!(e("hf://o/r/a.json,,b").contains("bad file path ''"));
         assert!(e("hf://o/r/a.json,../b").contains("bad file path '../b'"));
         assert!(e("s3://bucket").contains("s3://BUCKET/KEY"));
+    }
+
+    #[test]
+    fn a_pin_sets_the_revision_of_that_hub_source_only() {
+        let dir = std::env::temp_dir().join(format!("dspark-pins-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pins = dir.join("pins");
+        std::fs::write(
+            &pins,
+            dspark_types::contract::pins::render([
+                ("hf://o/r@main/m.gguf", "c0ffee"),
+                ("s3://b/k", "etag"),
+            ]),
+        )
+        .unwrap();
+        let pin = |arg: &str, file: Option<&Path>| pinned(arg, arg.parse().unwrap(), file).unwrap();
+        assert_eq!(
+            pin("hf://o/r@main/m.gguf", Some(&pins)).to_string(),
+            "hf://o/r@c0ffee/m.gguf"
+        );
+        // Another source string (even the same repo) is not pinned, nor an S3 object.
+        assert_eq!(
+            pin("hf://o/r/m.gguf", Some(&pins)).to_string(),
+            "hf://o/r/m.gguf"
+        );
+        assert_eq!(pin("s3://b/k", Some(&pins)).to_string(), "s3://b/k");
+        // No pins file yet: nothing pinned.
+        assert_eq!(
+            pin("hf://o/r@main/m.gguf", Some(&dir.join("none"))).to_string(),
+            "hf://o/r@main/m.gguf"
+        );
+        assert_eq!(
+            pin("hf://o/r@main/m.gguf", None).to_string(),
+            "hf://o/r@main/m.gguf"
+        );
     }
 
     #[test]

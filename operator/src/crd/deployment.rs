@@ -782,7 +782,35 @@ pub struct DSparkDeploymentStatus {
     pub pools: Vec<PoolStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_scaling_decision: Option<ScalingDecisionStatus>,
+    /// What the first successful fetch of each remote source (as the spec names it now)
+    /// resolved: a Hub branch's commit, an S3 / HTTP ETag. Later fetches of a Hub source use
+    /// that commit (the pool ConfigMap's `revision-pins`), and the revision is part of the
+    /// cost-table key. Read back from the fetch init containers' termination messages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["role"]))]
+    pub resolved_sources: Vec<ResolvedSource>,
 }
+
+/// A remote source's resolved revision.
+#[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ResolvedSource {
+    /// `model` or `drafter`.
+    pub role: String,
+    /// The source as fetched (`dspark-engine fetch SOURCE`), from the spec.
+    pub source: String,
+    /// The Hub commit sha, or the S3 / HTTP ETag.
+    pub revision: String,
+    /// The engine's model id for it (file or folder name, `@`, 12 characters of revision).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model_id: String,
+    /// The pod whose fetch reported it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod: String,
+}
+
+/// The two sources a deployment may fetch.
+pub const SOURCE_ROLES: [&str; 2] = ["model", "drafter"];
 
 /// One pool's observed state.
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
@@ -907,13 +935,62 @@ impl DSparkDeploymentSpec {
             .unwrap_or(DEFAULT_DRAIN_SECONDS)
     }
 
-    /// The cost-table key of `pool`.
-    pub fn cost_table_key(&self, pool: &NodePool) -> CostTableKey {
-        CostTableKey {
-            model_id: self.model.identity(),
-            drafter_id: self.drafter.as_ref().map(ModelSource::identity),
-            engine_version: self.engine.effective_version(),
-            node_type: pool.node_type.clone(),
+    /// The `model` or `drafter` source.
+    pub fn source(&self, role: &str) -> Option<&ModelSource> {
+        match role {
+            "model" => Some(&self.model),
+            "drafter" => self.drafter.as_ref(),
+            _ => None,
         }
+    }
+}
+
+impl DSparkDeployment {
+    /// The revision resolved for the `role` source as the spec names it now (a resolution of
+    /// a source the spec no longer names does not count).
+    pub fn resolved(&self, role: &str) -> Option<&ResolvedSource> {
+        let uri = self.spec.source(role)?.fetch_uri()?;
+        self.status
+            .as_ref()?
+            .resolved_sources
+            .iter()
+            .find(|r| r.role == role && r.source == uri)
+    }
+
+    /// What keys `role`'s part of a cost table: a volume's identity, or a remote source's
+    /// identity plus `@` and its resolved revision (a new commit is a new table); `None`
+    /// while a remote source is not resolved yet.
+    fn keyed_identity(&self, role: &str) -> Option<String> {
+        let src = self.spec.source(role)?;
+        if src.fetch_uri().is_none() {
+            return Some(src.identity());
+        }
+        self.resolved(role)
+            .map(|r| format!("{}@{}", src.identity(), r.revision))
+    }
+
+    /// The cost-table key of `pool`; `None` until every remote source has been resolved by
+    /// a first fetch (no table is measured for weights whose revision is unknown).
+    pub fn cost_table_key(&self, pool: &NodePool) -> Option<CostTableKey> {
+        Some(CostTableKey {
+            model_id: self.keyed_identity("model")?,
+            drafter_id: match &self.spec.drafter {
+                Some(_) => Some(self.keyed_identity("drafter")?),
+                None => None,
+            },
+            engine_version: self.spec.engine.effective_version(),
+            node_type: pool.node_type.clone(),
+        })
+    }
+
+    /// The remote sources not resolved yet, as the spec names them.
+    pub fn unresolved_sources(&self) -> Vec<String> {
+        SOURCE_ROLES
+            .iter()
+            .filter_map(|role| {
+                let uri = self.spec.source(role)?.fetch_uri()?;
+                self.resolved(role).is_none().then_some(uri)
+            })
+            .collect()
     }
 }

@@ -29,7 +29,7 @@ pub fn owners_of(key: &CostTableKey, all: &[&DSparkDeployment]) -> Vec<OwnerRefe
             d.spec
                 .pools
                 .iter()
-                .any(|p| &d.spec.cost_table_key(p) == key)
+                .any(|p| d.cost_table_key(p).as_ref() == Some(key))
         })
         .filter_map(|d| {
             let mut o = d.controller_owner_ref(&())?;
@@ -224,7 +224,7 @@ mod tests {
         c.metadata.name = Some("different-model".into());
         c.metadata.uid = Some("uid-3".into());
         c.spec.model.id = Some("another".into());
-        let key = a.spec.cost_table_key(&a.spec.pools[0]);
+        let key = a.cost_table_key(&a.spec.pools[0]).unwrap();
         let owners = owners_of(&key, &[&c, &b, &a]);
         let names: Vec<&str> = owners.iter().map(|o| o.name.as_str()).collect();
         assert_eq!(names, vec!["other", "qwen3-8b"]);

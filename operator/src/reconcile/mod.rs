@@ -147,6 +147,9 @@ struct Runtime {
     pruned_generation: Option<i64>,
     /// The admin token and when it was read from its Secret.
     admin_token: Option<(String, Instant)>,
+    /// The remote sources' resolved revisions as the last reconcile saw them: in force even
+    /// where the status cannot hold them (a CRD older than this operator).
+    resolved: Vec<crate::crd::ResolvedSource>,
 }
 
 /// Error backoff: 5 s doubling per consecutive failure of the same object, at most 5 minutes.
@@ -285,18 +288,55 @@ async fn write_status(
     status: &crate::crd::DSparkDeploymentStatus,
 ) -> std::result::Result<(), kube::Error> {
     let api: Api<DSparkDeployment> = Api::namespaced(ctx.client.clone(), ns);
-    let patch = serde_json::json!({
+    let mut patch = serde_json::json!({
         "apiVersion": DSparkDeployment::api_version(&()),
         "kind": DSparkDeployment::kind(&()),
         "status": status,
     });
-    api.patch_status(
-        &dsd.name_any(),
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
-    Ok(())
+    // A CRD older than this operator (installed by an older chart, not yet re-applied) lacks
+    // the newest status fields, and the API server refuses the whole patch for one of them:
+    // write the status without those, once each, rather than stop reporting at all.
+    loop {
+        match api
+            .patch_status(
+                &dsd.name_any(),
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+        {
+            Err(kube::Error::Api(e)) => match undeclared_status_field(&e.message) {
+                Some(field) if patch["status"].get(field).is_some() => {
+                    static WARNED: std::sync::Mutex<Vec<String>> =
+                        std::sync::Mutex::new(Vec::new());
+                    let mut warned = WARNED.lock().expect("warned lock");
+                    if !warned.iter().any(|f| f == field) {
+                        warned.push(field.to_string());
+                        warn!(
+                            field,
+                            "the installed CRD has no status.{field} (older than this \
+                             operator): writing statuses without it; apply crds/ to store it"
+                        );
+                    }
+                    patch["status"]
+                        .as_object_mut()
+                        .expect("status is an object")
+                        .remove(field);
+                }
+                _ => return Err(kube::Error::Api(e)),
+            },
+            other => return other.map(|_| ()),
+        }
+    }
+}
+
+/// The top-level status field an API server's "field not declared in schema" refusal names
+/// (`.status.NAME: field not declared in schema`).
+fn undeclared_status_field(message: &str) -> Option<&str> {
+    let (before, _) = message.split_once(": field not declared in schema")?;
+    let path = &before[before.rfind(".status.")? + ".status.".len()..];
+    let field = path.split(['.', '[']).next()?;
+    (!field.is_empty()).then_some(field)
 }
 
 /// Applies `obj` with server-side apply, unless it is what this process applied last time
@@ -452,5 +492,20 @@ mod tests {
         assert_eq!(backoff(6), Duration::from_secs(160));
         assert_eq!(backoff(30), Duration::from_secs(300));
         assert!(backoff(u32::MAX) <= Duration::from_secs(300));
+    }
+
+    /// The API server's refusal of a status field an older CRD lacks (its message as the
+    /// e2e's previous-chart phase got it) names the field to leave out.
+    #[test]
+    fn an_undeclared_status_field_is_named() {
+        let m = "failed to create typed patch object (/; serving.dspark.dev/v1alpha1, Kind=DSparkDeployment): .status.resolvedSources: field not declared in schema";
+        assert_eq!(undeclared_status_field(m), Some("resolvedSources"));
+        let nested = "failed to create typed patch object (x): .status.pools[name=\"a\"].newField: field not declared in schema";
+        assert_eq!(undeclared_status_field(nested), Some("pools"));
+        assert_eq!(
+            undeclared_status_field(".spec.x: field not declared in schema"),
+            None
+        );
+        assert_eq!(undeclared_status_field("conflict"), None);
     }
 }

@@ -108,7 +108,8 @@ pub fn users_of_profiling_job<'a>(
             d.spec
                 .pools
                 .iter()
-                .any(|p| &crate::crd::cost_table_name(&d.spec.cost_table_key(p)) == table)
+                .filter_map(|p| d.cost_table_key(p))
+                .any(|k| &crate::crd::cost_table_name(&k) == table)
         })
         .collect()
 }
@@ -123,7 +124,7 @@ mod tests {
     fn a_profiling_job_concerns_the_deployments_using_its_table() {
         let mut a = sample();
         a.metadata.namespace = Some("ns".into());
-        let table = cost_table_name(&a.spec.cost_table_key(&a.spec.pools[0]));
+        let table = cost_table_name(&a.cost_table_key(&a.spec.pools[0]).unwrap());
         let mut b = a.clone();
         b.metadata.name = Some("other".into());
         let mut elsewhere = a.clone();

@@ -71,6 +71,27 @@ pub(super) async fn run(dsd: &DSparkDeployment, ctx: &Context, rt: &mut Runtime)
     let ns = dsd
         .namespace()
         .ok_or_else(|| Error::NoNamespace(dsd.name_any()))?;
+    // The remote sources' revisions before anything is keyed by them: what the status holds,
+    // else what this operator resolved last time (a CRD older than this operator cannot
+    // store it), else what the engine pods' fetches report (a new leader, after such a CRD):
+    // keys and pod templates never fall back to "unresolved" while pods serve a revision.
+    let with_resolved;
+    let dsd = if dsd.unresolved_sources().is_empty() {
+        dsd
+    } else {
+        let mut known = rt.resolved.clone();
+        if known.is_empty() {
+            let pods: Vec<Pod> = dsd
+                .spec
+                .pools
+                .iter()
+                .flat_map(|p| owned_engine_pods(&ctx.caches, &ns, dsd, p).1)
+                .collect();
+            known = model::resolutions(dsd, &pods.iter().collect::<Vec<_>>());
+        }
+        with_resolved = model::with_resolutions(dsd, &known);
+        &with_resolved
+    };
     let mut pass = Pass {
         dsd,
         ctx,
@@ -130,7 +151,24 @@ async fn tables(
 ) -> Result<(Option<CostTable>, PoolView)> {
     let (dsd, ctx, ns) = (pass.dsd, pass.ctx, pass.ns.as_str());
     let client = &ctx.client;
-    let key = dsd.spec.cost_table_key(p);
+    let Some(key) = dsd.cost_table_key(p) else {
+        // A remote source's revision is known once a first fetch reports it: no table is
+        // measured (or shared) for weights nobody has resolved yet; the engines start on
+        // their default table meanwhile.
+        apply::<ConfigMap>(ctx, ns, &pool::cost_table_config_map(dsd, p, None)).await?;
+        pass.requeue = pass.requeue.min(Duration::from_secs(10));
+        let waiting = dsd.unresolved_sources().join(", ");
+        return Ok((
+            None,
+            PoolView {
+                phase: CostTablePhase::Pending,
+                message: Some(format!(
+                    "waiting for the first fetch of {waiting} to resolve its revision (the cost table is keyed by it)"
+                )),
+                ..PoolView::new(p)
+            },
+        ));
+    };
     let ct = costs::ensure_cost_table(ctx, ns, &key, costs::owners_of(&key, users)).await?;
     let (ct_status, progress) = profiling::advance(
         client,
@@ -204,30 +242,22 @@ async fn tables(
     )
     .await?;
     let view = PoolView {
-        name: p.name.clone(),
         cost_table: ct.name_any(),
         cost_table_revision: table.as_ref().map(|_| ct_status.revision),
         phase: ct_status.phase,
         message: ct_status.message.clone(),
-        current: None,
-        replicas: 0,
-        ready: 0,
-        ready_pods: Vec::new(),
-        desired: 0,
-        min: p.min_replicas,
-        updated: 0,
-        observed: false,
-        rollout_stalled: None,
+        ..PoolView::new(p)
     };
     Ok((table, view))
 }
 
-/// Phase 2: the pool's Deployment (replicas, rollout) and the engine pods it owns (pod ->
-/// ReplicaSet -> Deployment -> this deployment; matching labels are not enough to get the
-/// admin token or be scraped). Returns those pods.
-async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>> {
-    let (dsd, caches, ns) = (pass.dsd, &pass.ctx.caches, pass.ns.as_str());
-    let p = state.spec;
+/// The pool's engine Deployment (from the cache) and the pods it owns.
+fn owned_engine_pods(
+    caches: &super::cache::Caches,
+    ns: &str,
+    dsd: &DSparkDeployment,
+    p: &NodePool,
+) -> (Option<std::sync::Arc<Deployment>>, Vec<Pod>) {
     let current = caches.get::<Deployment>(ns, &pool_object_name(dsd, p));
     let selector = super::names::pool_selector(dsd, p);
     let pods: Vec<Pod> = cache::selected(&caches.pods, ns, &selector);
@@ -238,6 +268,16 @@ async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>>
         current.as_deref(),
         dsd.meta().uid.as_deref().unwrap_or_default(),
     );
+    (current, owned)
+}
+
+/// Phase 2: the pool's Deployment (replicas, rollout) and the engine pods it owns (pod ->
+/// ReplicaSet -> Deployment -> this deployment; matching labels are not enough to get the
+/// admin token or be scraped). Returns those pods.
+async fn observe(pass: &Pass<'_>, state: &mut PoolState<'_>) -> Result<Vec<Pod>> {
+    let (dsd, caches, ns) = (pass.dsd, &pass.ctx.caches, pass.ns.as_str());
+    let p = state.spec;
+    let (current, owned) = owned_engine_pods(caches, ns, dsd, p);
     let v = &mut state.view;
     let status = current.as_ref().and_then(|d| d.status.as_ref());
     v.current = current.as_ref().and_then(|d| d.spec.replicas);
@@ -564,7 +604,7 @@ async fn push(pass: &mut Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>], to
 /// condition transition.
 async fn report(
     pass: &Pass<'_>,
-    rt: &Runtime,
+    rt: &mut Runtime,
     pools: Vec<PoolState<'_>>,
     engine_pods: &[Pod],
 ) -> Result<()> {
@@ -573,6 +613,7 @@ async fn report(
     let views: Vec<PoolView> = pools.into_iter().map(|s| s.view).collect();
     write_replicas(client, ns, dsd, views.iter().map(|v| v.desired).sum()).await?;
 
+    rt.resolved = model::resolutions(dsd, &engine_pods.iter().collect::<Vec<_>>());
     let old = status::own(&dsd.status.clone().unwrap_or_default());
     let new = status::build(&StatusInput {
         dsd,
@@ -585,6 +626,7 @@ async fn report(
             .or(old.last_scaling_decision.clone()),
         evaluated: rt.last_eval.is_some(),
         model: model::availability(dsd, &engine_pods.iter().collect::<Vec<_>>()),
+        resolved: rt.resolved.clone(),
         now: &profiling::rfc3339(pass.now_wall),
         old: &old,
     });

@@ -29,7 +29,7 @@ use super::names::{
 };
 use crate::crd::{DSparkDeployment, ModelSource, NodePool, GRACE_MARGIN_SECONDS};
 use dspark_types::contract::flags::{self, arg};
-use dspark_types::contract::{env as cenv, paths, ports};
+use dspark_types::contract::{env as cenv, paths, pins, ports};
 
 /// Engine ports (the contract's).
 pub const HTTP_PORT: i32 = ports::HTTP as i32;
@@ -218,7 +218,11 @@ pub struct ModelPlan {
     pub remote: bool,
 }
 
-pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
+/// Where the pool's ConfigMap is mounted for its revision pins (fetches, engine, profiling).
+pub const PINS_DIR: &str = "/etc/dspark/pins";
+const PINS_VOLUME: &str = "revision-pins";
+
+pub fn model_plan(dsd: &DSparkDeployment, pool: &NodePool) -> ModelPlan {
     let model = mount_model(&dsd.spec.model, "model");
     let drafter = dsd.spec.drafter.as_ref().map(|d| mount_model(d, "drafter"));
     let mut plan = ModelPlan {
@@ -236,6 +240,15 @@ pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
         mount_path: MODEL_CACHE_DIR.into(),
         ..Default::default()
     };
+    // The pool's ConfigMap, for its `revision-pins` (optional: there are none until a first
+    // fetch resolved a source, and a missing file pins nothing).
+    let pins_mount = VolumeMount {
+        name: PINS_VOLUME.into(),
+        mount_path: PINS_DIR.into(),
+        read_only: Some(true),
+        ..Default::default()
+    };
+    let pins_var = var(cenv::REVISION_PINS, format!("{PINS_DIR}/{}", pins::KEY));
     let mut hugging_face = false;
     for (m, container) in std::iter::once((&model, FETCH_MODEL_CONTAINER))
         .chain(drafter.as_ref().map(|d| (d, FETCH_DRAFTER_CONTAINER)))
@@ -248,6 +261,7 @@ pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
         plan.remote = true;
         hugging_face |= r.hugging_face;
         let mut env = r.env.clone();
+        env.push(pins_var.clone());
         env.extend(dsd.spec.engine.env.iter().cloned());
         plan.init_containers.push(Container {
             name: container.into(),
@@ -267,7 +281,7 @@ pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
             termination_message_path: Some("/dev/termination-log".into()),
             termination_message_policy: Some("FallbackToLogsOnError".into()),
             security_context: Some(container_security()),
-            volume_mounts: Some(vec![cache_mount.clone()]),
+            volume_mounts: Some(vec![cache_mount.clone(), pins_mount.clone()]),
             ..Default::default()
         });
         for e in &r.env {
@@ -294,6 +308,17 @@ pub fn model_plan(dsd: &DSparkDeployment) -> ModelPlan {
             ..Default::default()
         });
         plan.mounts.push(cache_mount);
+        plan.volumes.push(Volume {
+            name: PINS_VOLUME.into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: cost_table_config_map_name(dsd, pool),
+                optional: Some(true),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        plan.mounts.push(pins_mount);
+        plan.env.push(pins_var);
         // The engine serves what the init container fetched (the cache's refs), without
         // asking the Hub again: a commit pushed in between cannot change the weights.
         if hugging_face {
@@ -546,7 +571,7 @@ pub fn engine_deployment(
     replicas: i32,
     has_table: bool,
 ) -> Deployment {
-    let plan = model_plan(dsd);
+    let plan = model_plan(dsd, pool);
     let (tmp_v, tmp_m) = tmp_volume();
     let mut volumes = vec![
         tmp_v,
@@ -739,9 +764,35 @@ pub fn cost_table_config_map(
             cost_table_config_map_name(dsd, pool),
             pool_labels(dsd, pool),
         ),
-        data: table_json.map(|t| BTreeMap::from([(COST_TABLE_KEY.to_string(), t.to_string())])),
+        data: {
+            let mut data = BTreeMap::new();
+            if let Some(t) = table_json {
+                data.insert(COST_TABLE_KEY.to_string(), t.to_string());
+            }
+            if let Some(p) = revision_pins(dsd) {
+                data.insert(pins::KEY.to_string(), p);
+            }
+            (!data.is_empty()).then_some(data)
+        },
         ..Default::default()
     }
+}
+
+/// The pins file's text: the resolved revision of every remote source as the spec names it
+/// (`None` before any is resolved). The fetches, the engine and profiling read it (see
+/// `dspark_types::contract::pins`).
+pub fn revision_pins(dsd: &DSparkDeployment) -> Option<String> {
+    let resolved: Vec<_> = crate::crd::SOURCE_ROLES
+        .iter()
+        .filter_map(|role| dsd.resolved(role))
+        .collect();
+    (!resolved.is_empty()).then(|| {
+        pins::render(
+            resolved
+                .iter()
+                .map(|r| (r.source.as_str(), r.revision.as_str())),
+        )
+    })
 }
 
 /// The admin-token Secret holding `token`.
@@ -1084,6 +1135,46 @@ pub(crate) mod tests {
             .as_ref()
             .unwrap()
             .contains(&"--cache".to_string()));
+
+        // Revision pins: the fetches, the engine and the profiling container read the pool
+        // ConfigMap's `revision-pins`, which holds the resolved commit once there is one.
+        let pins_path = format!("{PINS_DIR}/{}", pins::KEY);
+        for c in [&init[0], c, &jp.containers[0]] {
+            assert_eq!(env_of(c)[cenv::REVISION_PINS], pins_path, "{}", c.name);
+            assert!(
+                c.volume_mounts
+                    .iter()
+                    .flatten()
+                    .any(|m| m.name == PINS_VOLUME && m.mount_path == PINS_DIR),
+                "{}",
+                c.name
+            );
+        }
+        let pins_volume = vols[PINS_VOLUME].config_map.as_ref().unwrap();
+        assert_eq!(
+            pins_volume.name,
+            cost_table_config_map_name(&d, &d.spec.pools[0])
+        );
+        assert_eq!(pins_volume.optional, Some(true));
+        let cm = cost_table_config_map(&d, &d.spec.pools[0], None);
+        assert!(cm.data.is_none(), "nothing resolved, nothing pinned");
+        d.status = Some(crate::crd::DSparkDeploymentStatus {
+            resolved_sources: vec![crate::crd::ResolvedSource {
+                role: "model".into(),
+                source: "hf://org/repo@v1/m.Q4_1.gguf".into(),
+                revision: "c0ffee".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let cm = cost_table_config_map(&d, &d.spec.pools[0], Some("{}"));
+        let data = cm.data.unwrap();
+        assert_eq!(data[pins::KEY], "hf://org/repo@v1/m.Q4_1.gguf c0ffee\n");
+        assert_eq!(data[COST_TABLE_KEY], "{}");
+        assert_eq!(
+            d.cost_table_key(&d.spec.pools[0]).unwrap().model_id,
+            "hf://org/repo@v1/m.Q4_1.gguf@c0ffee"
+        );
     }
 
     /// The drain flag is not passed twice; the grace period follows the flag the user passes,

@@ -46,7 +46,7 @@ pub fn profiling_job(
     ct: &DSparkCostTable,
     name: &str,
 ) -> Job {
-    let plan = model_plan(dsd);
+    let plan = model_plan(dsd, pool);
     let mut args = vec![
         "profile".to_string(),
         arg(flags::MODEL),
@@ -436,7 +436,7 @@ mod tests {
     }
 
     fn ct(dsd: &DSparkDeployment, pool: &NodePool) -> (CostTableKey, DSparkCostTable) {
-        let key = dsd.spec.cost_table_key(pool);
+        let key = dsd.cost_table_key(pool).unwrap();
         let mut ct = DSparkCostTable::new(&cost_table_name(&key), key.spec());
         ct.metadata.namespace = Some("ns".into());
         ct.metadata.uid = Some("ct-uid".into());

@@ -57,7 +57,8 @@ pub fn wanted(dsd: &DSparkDeployment) -> Wanted {
             .collect(),
         cost_tables: pools
             .iter()
-            .map(|p| cost_table_name(&dsd.spec.cost_table_key(p)))
+            .filter_map(|p| dsd.cost_table_key(p))
+            .map(|k| cost_table_name(&k))
             .collect(),
     }
 }

@@ -43,6 +43,28 @@ pub struct PoolView {
     pub rollout_stalled: Option<String>,
 }
 
+impl PoolView {
+    /// `pool` before anything is observed: no table, no replicas.
+    pub fn new(pool: &crate::crd::NodePool) -> Self {
+        Self {
+            name: pool.name.clone(),
+            cost_table: String::new(),
+            cost_table_revision: None,
+            phase: CostTablePhase::Pending,
+            message: None,
+            current: None,
+            replicas: 0,
+            ready: 0,
+            ready_pods: Vec::new(),
+            desired: 0,
+            min: pool.min_replicas,
+            updated: 0,
+            observed: false,
+            rollout_stalled: None,
+        }
+    }
+}
+
 /// Everything the status is computed from.
 pub struct StatusInput<'a> {
     pub dsd: &'a DSparkDeployment,
@@ -54,6 +76,8 @@ pub struct StatusInput<'a> {
     pub evaluated: bool,
     /// Whether the pods have their weights (the fetch init containers).
     pub model: super::model::ModelAvailability,
+    /// The remote sources' resolved revisions (see [`super::model::resolutions`]).
+    pub resolved: Vec<crate::crd::ResolvedSource>,
     /// RFC 3339 time of this reconcile (used only for conditions that change).
     pub now: &'a str,
     pub old: &'a DSparkDeploymentStatus,
@@ -97,7 +121,7 @@ pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
                 name: v.name.clone(),
                 desired_replicas: v.desired,
                 ready_replicas: v.ready,
-                cost_table: Some(v.cost_table.clone()),
+                cost_table: (!v.cost_table.is_empty()).then(|| v.cost_table.clone()),
                 cost_table_revision: v.cost_table_revision,
                 ttft_p95_ms: ms(obs.and_then(|o| o.ttft_p95)),
                 itl_p95_ms: ms(obs.and_then(|o| o.itl_p95)),
@@ -151,6 +175,7 @@ pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
         slo_status: Some(slo.into()),
         pools,
         last_scaling_decision: i.last_decision.clone(),
+        resolved_sources: i.resolved.clone(),
     }
 }
 
@@ -360,6 +385,16 @@ fn profiled_condition(i: &StatusInput<'_>) -> Condition {
             Some(false),
             "ProfilingDisabled",
             "profiling is disabled; engines use their default table".into(),
+        )
+    } else if !i.dsd.unresolved_sources().is_empty() {
+        condition(
+            "Profiled",
+            Some(false),
+            "WaitingForRevision",
+            format!(
+                "waiting for the first fetch of {} to resolve its revision (cost tables are keyed by it); engines use their default table",
+                i.dsd.unresolved_sources().join(", ")
+            ),
         )
     } else {
         condition(
@@ -643,6 +678,7 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: true,
+            resolved: Vec::new(),
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
@@ -693,6 +729,7 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: false,
+            resolved: Vec::new(),
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
@@ -759,6 +796,7 @@ mod tests {
                 breached: &breached,
                 last_decision: None,
                 evaluated: false,
+                resolved: Vec::new(),
                 model: super::super::model::ModelAvailability {
                     ok: Some(true),
                     reason: "VolumeSource".into(),
@@ -821,6 +859,7 @@ mod tests {
             breached: &breached,
             last_decision: None,
             evaluated: true,
+            resolved: Vec::new(),
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
