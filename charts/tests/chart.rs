@@ -226,6 +226,53 @@ fn chart_lints_and_its_rbac_is_exactly_the_operators() {
         .arg(chart()))
     .unwrap();
     assert!(!without.contains("--apply-crds") && !without.contains("customresourcedefinitions"));
+    // Images: the project's at the chart's appVersion; a registry prefixes the operator's and
+    // the engines' (the defaults of deployments without spec.engine.image), a digest pins the
+    // operator's, and a malformed digest is refused.
+    let app_version = std::fs::read_to_string(chart().join("Chart.yaml"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion:"))
+        .unwrap()
+        .trim()
+        .trim_matches('"')
+        .to_string();
+    assert_eq!(
+        c["image"].as_str(),
+        Some(format!("dspark/operator:{app_version}").as_str())
+    );
+    assert!(args.contains(&format!("--engine-image=dspark/engine:{app_version}").as_str()));
+    assert!(
+        args.contains(&format!("--engine-cuda-image=dspark/engine-cuda:{app_version}").as_str())
+    );
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let pinned = run(Command::new(&helm)
+        .args([
+            "template",
+            "x",
+            "-n",
+            "ops",
+            "--set",
+            "image.registry=reg.example:5000",
+        ])
+        .args(["--set", &format!("image.digest={digest}")])
+        .args(["--set", "engineImages.tag=9.9.9"])
+        .arg(chart()))
+    .unwrap();
+    assert!(pinned.contains(&format!(
+        "image: \"reg.example:5000/dspark/operator@{digest}\""
+    )));
+    assert!(pinned.contains("--engine-image=reg.example:5000/dspark/engine:9.9.9"));
+    assert!(pinned.contains("--engine-cuda-image=reg.example:5000/dspark/engine-cuda:9.9.9"));
+    let bad_digest = Command::new(&helm)
+        .args(["template", "x", "--set", "image.digest=latest"])
+        .arg(chart())
+        .output()
+        .unwrap();
+    assert!(
+        !bad_digest.status.success(),
+        "a digest of 'latest' was let through"
+    );
     assert_eq!(
         c["securityContext"]["readOnlyRootFilesystem"].as_bool(),
         Some(true)

@@ -58,6 +58,13 @@ struct Args {
     /// queueing hundreds inside the API server at once.
     #[arg(long, env = "DSPARK_MAX_CONCURRENT_RECONCILES", default_value_t = DEFAULT_CONCURRENCY)]
     max_concurrent_reconciles: u16,
+    /// The engine image of deployments without `spec.engine.image`, on pools without GPUs
+    /// (default `dspark/engine:<this operator's version>`).
+    #[arg(long, env = "DSPARK_ENGINE_IMAGE")]
+    engine_image: Option<String>,
+    /// The same on pools that request GPUs (default `dspark/engine-cuda:<version>`).
+    #[arg(long, env = "DSPARK_ENGINE_CUDA_IMAGE")]
+    engine_cuda_image: Option<String>,
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -78,6 +85,12 @@ async fn main() -> anyhow::Result<()> {
     // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
     let _telemetry = dspark_telemetry::init("dspark-operator")?;
     let args = Args::parse();
+    let defaults = dspark_operator::crd::EngineImages::default();
+    dspark_operator::crd::EngineImages {
+        cpu: args.engine_image.clone().unwrap_or(defaults.cpu),
+        cuda: args.engine_cuda_image.clone().unwrap_or(defaults.cuda),
+    }
+    .install();
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_else(|_| "local".into());
         format!("{}-{}", host.trim(), std::process::id())

@@ -49,5 +49,20 @@ app.kubernetes.io/part-of: dspark
 {{- end }}
 
 {{- define "dspark-operator.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $repo := .Values.image.repository -}}
+{{- with .Values.image.registry }}{{ $repo = printf "%s/%s" . $repo }}{{ end -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" $repo .Values.image.digest }}
+{{- else -}}
+{{- printf "%s:%s" $repo (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* An engine image: (list $ REPOSITORY) -> [REGISTRY/]REPOSITORY:TAG. */}}
+{{- define "dspark-operator.engineImage" -}}
+{{- $root := index . 0 -}}
+{{- $repo := index . 1 -}}
+{{- $v := $root.Values.engineImages -}}
+{{- with (default $root.Values.image.registry $v.registry) }}{{ $repo = printf "%s/%s" . $repo }}{{ end -}}
+{{- printf "%s:%s" $repo (default $root.Chart.AppVersion $v.tag) }}
 {{- end }}

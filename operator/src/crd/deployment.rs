@@ -68,7 +68,8 @@ pub struct DSparkDeploymentSpec {
     /// Start-up budgets (download and load of large models).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub startup: Option<StartupSpec>,
-    /// The engine container.
+    /// The engine container (all defaults: the operator's own engine image).
+    #[serde(default)]
     pub engine: EngineSpec,
     /// Node pools (one engine Deployment per pool).
     #[x_kube(validation = Rule::new("self.size() > 0").message("spec.pools must name at least one node pool"))]
@@ -290,10 +291,15 @@ pub struct HostPathSource {
 #[derive(JsonSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct EngineSpec {
-    /// Image holding `dspark-engine`.
+    /// Image holding `dspark-engine`. Default: the engine image of the operator's own
+    /// version, the CUDA one (`dspark/engine-cuda:VERSION`) on pools that request GPUs and the
+    /// CPU one (`dspark/engine:VERSION`) on the others; the operator's `--engine-image` and
+    /// `--engine-cuda-image` (the chart's `engineImages`) say where they live.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 512))]
-    pub image: String,
-    /// Engine version used to key cost tables; defaults to the image tag.
+    pub image: Option<String>,
+    /// Engine version used to key cost tables; defaults to the image tag (the operator's
+    /// version with the default images).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -902,17 +908,73 @@ impl ModelSource {
     }
 }
 
+/// The engine images a deployment without `spec.engine.image` runs: full references (a tag
+/// or a digest), set once at start from the operator's flags.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineImages {
+    /// For pools without GPUs.
+    pub cpu: String,
+    /// For pools that request GPUs (`--features cuda`, CUDA user-space libraries inside).
+    pub cuda: String,
+}
+
+impl Default for EngineImages {
+    fn default() -> Self {
+        let v = env!("CARGO_PKG_VERSION");
+        Self {
+            cpu: format!("dspark/engine:{v}"),
+            cuda: format!("dspark/engine-cuda:{v}"),
+        }
+    }
+}
+
+static ENGINE_IMAGES: std::sync::OnceLock<EngineImages> = std::sync::OnceLock::new();
+
+impl EngineImages {
+    /// Sets the process's default engine images (once, at start; later calls are ignored).
+    pub fn install(self) {
+        let _ = ENGINE_IMAGES.set(self);
+    }
+
+    /// The process's default engine images.
+    pub fn current() -> &'static EngineImages {
+        ENGINE_IMAGES.get_or_init(EngineImages::default)
+    }
+}
+
+/// The tag of an image reference (`None`: a digest-only or untagged reference).
+fn image_tag(image: &str) -> Option<&str> {
+    let name = image.split('@').next().unwrap_or_default();
+    let last = name.rsplit('/').next().unwrap_or_default();
+    last.split_once(':')
+        .map(|(_, t)| t)
+        .filter(|t| !t.is_empty())
+}
+
 impl EngineSpec {
-    /// The version that keys cost tables: `version`, else the image tag, else `latest`.
+    /// The image of `pool`'s engine pods: `image`, else the default engine image for its
+    /// accelerators (CUDA when the pool requests GPUs).
+    pub fn image_for(&self, pool: &NodePool) -> String {
+        if let Some(i) = &self.image {
+            return i.clone();
+        }
+        let d = EngineImages::current();
+        if pool.gpu.count > 0 {
+            d.cuda.clone()
+        } else {
+            d.cpu.clone()
+        }
+    }
+
+    /// The version that keys cost tables: `version`, else the image tag (the operator's
+    /// version with the default images), else `latest`.
     pub fn effective_version(&self) -> String {
         if let Some(v) = &self.version {
             return v.clone();
         }
-        let image = self.image.split('@').next().unwrap_or_default();
-        let last = image.rsplit('/').next().unwrap_or_default();
-        match last.split_once(':') {
-            Some((_, tag)) if !tag.is_empty() => tag.to_string(),
-            _ => "latest".into(),
+        match &self.image {
+            Some(i) => image_tag(i).unwrap_or("latest").to_string(),
+            None => env!("CARGO_PKG_VERSION").to_string(),
         }
     }
 }

@@ -23,9 +23,9 @@ use crate::{Error, Result};
 
 /// The schema revision of the CRDs this operator renders. Bump it (and [`SCHEMA_DIGEST`])
 /// with every change to the types' schema; the test below says when.
-pub const SCHEMA_REVISION: u32 = 3;
+pub const SCHEMA_REVISION: u32 = 4;
 /// FNV-1a of the CRDs' specs at [`SCHEMA_REVISION`] (see [`schema_digest`]).
-pub const SCHEMA_DIGEST: &str = "937e99f08d16cb5b";
+pub const SCHEMA_DIGEST: &str = "7502e82e6a88be87";
 /// The annotation holding a CRD's schema revision.
 pub const REVISION_ANNOTATION: &str = "serving.dspark.dev/schema-revision";
 

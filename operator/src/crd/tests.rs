@@ -76,13 +76,13 @@ fn names_that_cannot_become_object_names_are_refused() {
 #[test]
 fn engine_version_defaults_to_the_image_tag() {
     let mut e = EngineSpec {
-        image: "registry:5000/dspark/engine:0.3.1".into(),
+        image: Some("registry:5000/dspark/engine:0.3.1".into()),
         ..Default::default()
     };
     assert_eq!(e.effective_version(), "0.3.1");
-    e.image = "registry:5000/dspark/engine".into();
+    e.image = Some("registry:5000/dspark/engine".into());
     assert_eq!(e.effective_version(), "latest");
-    e.image = "engine:1.2@sha256:abc".into();
+    e.image = Some("engine:1.2@sha256:abc".into());
     assert_eq!(e.effective_version(), "1.2");
     e.version = Some("9.9".into());
     assert_eq!(e.effective_version(), "9.9");

@@ -265,7 +265,7 @@ pub fn model_plan(dsd: &DSparkDeployment, pool: &NodePool) -> ModelPlan {
         env.extend(dsd.spec.engine.env.iter().cloned());
         plan.init_containers.push(Container {
             name: container.into(),
-            image: Some(dsd.spec.engine.image.clone()),
+            image: Some(dsd.spec.engine.image_for(pool)),
             image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
             command: Some(vec!["dspark-engine".into()]),
             args: Some(vec![
@@ -619,7 +619,7 @@ pub fn engine_deployment(
         .unwrap_or(crate::crd::DEFAULT_STARTUP_PROBE_SECONDS);
     let container = Container {
         name: "engine".into(),
-        image: Some(dsd.spec.engine.image.clone()),
+        image: Some(dsd.spec.engine.image_for(pool)),
         image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
         command: Some(vec!["dspark-engine".into()]),
         args: Some(serve_args(
@@ -1175,6 +1175,56 @@ pub(crate) mod tests {
             d.cost_table_key(&d.spec.pools[0]).unwrap().model_id,
             "hf://org/repo@v1/m.Q4_1.gguf@c0ffee"
         );
+    }
+
+    /// Without `spec.engine.image` a pool runs the engine image of the operator's version:
+    /// the CUDA one where it requests GPUs, the CPU one elsewhere (fetch init containers and
+    /// profiling Jobs too); the cost tables are keyed by that version.
+    #[test]
+    fn the_default_engine_image_follows_the_pools_accelerators() {
+        let mut d = sample();
+        d.spec.engine.image = None;
+        d.spec.engine.version = None;
+        let v = env!("CARGO_PKG_VERSION");
+        let mut cpu = d.spec.pools[0].clone();
+        cpu.gpu.count = 0;
+        let gpu = &d.spec.pools[1].clone();
+        assert_eq!(gpu.gpu.count, 1);
+        let image_of = |d: &DSparkDeployment, p: &NodePool| {
+            engine_deployment(d, p, 1, false)
+                .spec
+                .template
+                .spec
+                .unwrap()
+                .containers[0]
+                .image
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(image_of(&d, gpu), format!("dspark/engine-cuda:{v}"));
+        assert_eq!(image_of(&d, &cpu), format!("dspark/engine:{v}"));
+        assert_eq!(d.spec.engine.effective_version(), v);
+        let ct = crate::crd::DSparkCostTable::new(
+            "t",
+            crate::crd::DSparkCostTableSpec {
+                model_id: "m".into(),
+                drafter_id: None,
+                engine_version: v.into(),
+                node_type: cpu.node_type.clone(),
+            },
+        );
+        let job = crate::reconcile::profiling::profiling_job(&d, &cpu, &ct, "j");
+        let c = &job.spec.unwrap().template.spec.unwrap().containers[0];
+        assert_eq!(
+            c.image.as_deref(),
+            Some(format!("dspark/engine:{v}").as_str())
+        );
+        // An explicit image wins, and its tag keys the tables.
+        d.spec.engine.image = Some("registry.local/dspark/engine:1.2.3".into());
+        assert_eq!(image_of(&d, gpu), "registry.local/dspark/engine:1.2.3");
+        assert_eq!(d.spec.engine.effective_version(), "1.2.3");
+        d.spec.engine.image = Some("registry.local/dspark/engine@sha256:00".into());
+        assert_eq!(d.spec.engine.effective_version(), "latest");
     }
 
     /// The drain flag is not passed twice; the grace period follows the flag the user passes,

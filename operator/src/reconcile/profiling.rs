@@ -72,7 +72,7 @@ pub fn profiling_job(
     env.extend(dsd.spec.engine.env.iter().cloned());
     let container = Container {
         name: PROFILE_CONTAINER.into(),
-        image: Some(dsd.spec.engine.image.clone()),
+        image: Some(dsd.spec.engine.image_for(pool)),
         image_pull_policy: dsd.spec.engine.image_pull_policy.clone(),
         command: Some(vec!["dspark-engine".into()]),
         args: Some(args),
