@@ -51,9 +51,10 @@ cluster-down:
 print-kubeconfig:
 	@tests/cluster/cluster.sh kubeconfig
 
-# End-to-end on the local control plane with the test kubelet: helm install of the chart
-# (operator from this tree as a pod), a two-pool DSparkDeployment served by real engine
-# processes, profiling, cost tables, load -> scale up -> scale down, deletion. Prints a
+# End-to-end on the local control plane with the test kubelet running every container FROM
+# this tree's images (built, pushed to a loopback registry, run by digest through runc): helm
+# install of the chart (the operator image as a pod), a two-pool DSparkDeployment served by
+# engine containers, profiling, cost tables, load -> scale up -> scale down, deletion. Prints a
 # timeline; DSPARK_E2E_KEEP=1 leaves the cluster up. See docs/operations.md.
 e2e: build
 	tests/e2e/e2e.sh

@@ -7,6 +7,9 @@
 //! kept, the deployment is still reconciled) and uninstalls, leaving only the CRDs. Without a cluster the cluster test prints why and passes,
 //! unless DSPARK_REQUIRE_CLUSTER=1.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -32,6 +32,9 @@
 #   DSPARK_ENGINE_BIN, DSPARK_OPERATOR_BIN  binaries the test kubelet runs for the
 #                         dspark-engine / dspark-operator containers (default: the release
 #                         builds in $CARGO_TARGET_DIR, ~/.cache/dspark/cargo-target)
+#   DSPARK_KUBELET_IMAGE_RUNTIME  host (default) or runc/crun: containers run FROM their
+#                         images (pulled from a loopback registry) instead of host binaries
+#   DSPARK_TEST_KUBELET_BIN  a prebuilt test kubelet (default: build it in $CARGO_TARGET_DIR)
 #
 # Everything listens on 127.0.0.1 only; nothing is sent off the loopback network.
 set -euo pipefail
@@ -541,9 +544,17 @@ KUBELET=dspark-test-kubelet
 KUBELET_LABEL=dspark.dev/test-kubelet
 cargo_target() { echo "${CARGO_TARGET_DIR:-$CACHE_ROOT/cargo-target}"; }
 
-# Kill the process groups of containers a kubelet left behind (it was SIGKILLed).
+# Kill the process groups of containers a kubelet left behind (it was SIGKILLed), and the
+# containers its OCI runtime still runs (--image-runtime runc|crun, state in kubelet/runtime).
 kill_pod_processes() {
-  local d="$CLUSTER_DIR/kubelet/pgids" f pg
+  local d="$CLUSTER_DIR/kubelet/pgids" f pg rt="$CLUSTER_DIR/kubelet/runtime" r id
+  for r in runc crun; do
+    [ -d "$rt" ] && command -v "$r" >/dev/null || continue
+    for id in $("$r" --root "$rt" list -q 2>/dev/null); do
+      "$r" --root "$rt" kill "$id" KILL >/dev/null 2>&1 || true
+      "$r" --root "$rt" delete -f "$id" >/dev/null 2>&1 || true
+    done
+  done
   [ -d "$d" ] || return 0
   for f in "$d"/*; do
     [ -e "$f" ] || continue
@@ -563,8 +574,10 @@ cmd_kubelet_up() {
     log "test kubelet already running (log: $CLUSTER_DIR/logs/$KUBELET.log)"
     return 0
   fi
-  local tgt bin; tgt="$(cargo_target)"; bin="$tgt/release/$KUBELET"
-  if [ ! -x "$bin" ] || [ -n "$(find "$HERE/../kubelet/src" "$HERE/../kubelet/Cargo.toml" -newer "$bin" \( -name '*.rs' -o -name Cargo.toml \) | head -n1)" ]; then
+  local tgt bin; tgt="$(cargo_target)"; bin="${DSPARK_TEST_KUBELET_BIN:-$tgt/release/$KUBELET}"
+  if [ -n "${DSPARK_TEST_KUBELET_BIN:-}" ]; then
+    [ -x "$bin" ] || die "DSPARK_TEST_KUBELET_BIN=$bin is not an executable"
+  elif [ ! -x "$bin" ] || [ -n "$(find "$HERE/../kubelet/src" "$HERE/../kubelet/Cargo.toml" -newer "$bin" \( -name '*.rs' -o -name Cargo.toml \) | head -n1)" ]; then
     log "  building $KUBELET"
     (cd "$HERE/../.." && CARGO_TARGET_DIR="$tgt" nice -n 10 cargo build --release -q -p "$KUBELET") ||
       die "building $KUBELET failed"

@@ -5,9 +5,16 @@
 //! codes and termination messages). Deleting a pod stops its processes and removes it.
 //!
 //! kwok keeps playing the nodes (heartbeats); it must not play pods (no pod stages).
-//! Images are not pulled: a container's program is a mapped binary (`--binary
-//! dspark-engine=PATH`, matched by command or image name) or an allowed host command.
+//! With `--image-runtime runc` containers run FROM their images: pulled by digest from a
+//! loopback registry, unpacked, and run by the OCI runtime with the pod's command, env, user,
+//! mounts and read-only root (module `oci`). With `host` (the default) images are not pulled:
+//! a container's program is a mapped binary (`--binary dspark-engine=PATH`, matched by
+//! command or image name) or an allowed host command.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+mod oci;
 mod pod;
 mod rewrite;
 
@@ -62,6 +69,11 @@ struct Args {
     /// Longest grace period honoured on deletion, seconds.
     #[arg(long, default_value_t = 30)]
     max_grace_seconds: i64,
+    /// How containers run: `host` (mapped binaries and allowed host commands) or an OCI
+    /// runtime, `runc` or `crun`, running each container FROM its image.
+    #[arg(long, env = "DSPARK_KUBELET_IMAGE_RUNTIME", default_value = "host",
+          value_parser = ["host", "runc", "crun"])]
+    image_runtime: String,
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -121,7 +133,27 @@ async fn main() -> anyhow::Result<()> {
     }
     binaries.extend(args.binaries.iter().cloned());
     std::fs::create_dir_all(args.state_dir.join("pods"))?;
-    info!(selector = %args.node_selector, ?binaries, dir = %args.state_dir.display(), "test kubelet starting");
+    let oci = (args.image_runtime != "host").then(|| oci::Runtime {
+        program: args.image_runtime.clone(),
+        root: args.state_dir.join("runtime"),
+        images: args.state_dir.join("images"),
+    });
+    if let Some(rt) = &oci {
+        for t in [rt.program.as_str(), "skopeo", "umoci"] {
+            let found = std::process::Command::new(t)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            anyhow::ensure!(
+                found,
+                "--image-runtime {}: {t} is not installed",
+                rt.program
+            );
+        }
+        std::fs::create_dir_all(&rt.root)?;
+        std::fs::create_dir_all(&rt.images)?;
+    }
+    info!(selector = %args.node_selector, ?binaries, runtime = %args.image_runtime, dir = %args.state_dir.display(), "test kubelet starting");
     let shared = Arc::new(Shared {
         client: client.clone(),
         binaries,
@@ -130,6 +162,7 @@ async fn main() -> anyhow::Result<()> {
         apiserver_url,
         max_grace: args.max_grace_seconds,
         pass_env: args.pass_env.clone(),
+        oci,
     });
 
     let wake = Arc::new(Notify::new());

@@ -1,10 +1,12 @@
-//! One pod: its volumes materialised under a per-pod directory, one supervised local process
-//! per container, HTTP/TCP probes against the pod's loopback IP, and the pod status written
-//! back to the apiserver. Deletion stops the processes (SIGTERM, SIGKILL after the grace
-//! period) and removes the pod (grace 0).
+//! One pod: its volumes materialised under a per-pod directory, one supervised process per
+//! container (a mapped host binary, or with `--image-runtime runc` the container's image run by
+//! the OCI runtime, see `oci`), HTTP/TCP probes against the pod's loopback IP, and the pod
+//! status written back to the apiserver. Deletion stops the processes (SIGTERM, SIGKILL after
+//! the grace period) and removes the pod (grace 0).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,10 +29,13 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::oci::{self, Bind, OciRun, PullError};
 use crate::rewrite::{self, PathMap};
 
 /// Where the service-account token is mounted in containers.
 pub const SA_MOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// Where containers under the OCI runtime find the kubeconfig of their ServiceAccount.
+const KUBECONFIG_MOUNT: &str = "/var/run/dspark-test-kubelet/kubeconfig";
 
 /// Settings shared by every pod.
 pub struct Shared {
@@ -42,6 +47,8 @@ pub struct Shared {
     pub apiserver_url: String,
     pub max_grace: i64,
     pub pass_env: Vec<String>,
+    /// Run containers from their images with this OCI runtime (else: mapped host binaries).
+    pub oci: Option<oci::Runtime>,
 }
 
 /// Why a pod's processes must stop.
@@ -132,31 +139,63 @@ pub async fn run_pod(
     // Set up the containers; a failed set-up is retried (a missing ConfigMap, a Service
     // without ready pods yet), except for pods that never restart, which fail after a minute.
     let first = std::time::Instant::now();
+    let mut pull_failures = 0u32;
     let prepared = loop {
         match prepare(&shared, &pod, &dir, ip, &status.host_ip).await {
             Ok(p) => break Some(p),
             Err(e) => {
                 let msg = format!("{e:#}");
                 warn!(pod = %format!("{ns}/{name}"), "set-up failed: {msg}");
-                for c in &mut status.containers {
-                    c.state = Some(ContainerState {
+                // An image that cannot be pulled marks its containers (ErrImagePull, then
+                // ImagePullBackOff while waiting for the next try); anything else marks all.
+                let pull = e.chain().find_map(|x| x.downcast_ref::<PullError>());
+                let waiting = |reason: &str, message: String| {
+                    Some(ContainerState {
                         waiting: Some(ContainerStateWaiting {
-                            reason: Some("CreateContainerConfigError".into()),
-                            message: Some(msg.clone()),
+                            reason: Some(reason.into()),
+                            message: Some(message),
                         }),
                         ..Default::default()
-                    });
+                    })
+                };
+                let reason = if pull.is_some() {
+                    "ErrImagePull"
+                } else {
+                    "CreateContainerConfigError"
+                };
+                for c in status.containers.iter_mut().chain(status.init.iter_mut()) {
+                    if pull.is_none_or(|p| p.image == c.image) {
+                        c.state = waiting(reason, msg.clone());
+                    }
                 }
                 if restart == "Never" && first.elapsed() > Duration::from_secs(60) {
                     status.phase = "Failed".into();
-                    status.reason = Some("CreateContainerConfigError".into());
+                    status.reason = Some(reason.into());
                     status.message = Some(msg);
                     status.write(&api, &name).await;
                     break None;
                 }
                 status.write(&api, &name).await;
+                // Back off (3 s, doubling to 20 s for pulls, as a kubelet's image back-off).
+                let wait = match pull {
+                    Some(p) => {
+                        pull_failures += 1;
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        for c in status.containers.iter_mut().chain(status.init.iter_mut()) {
+                            if c.image == p.image {
+                                c.state = waiting(
+                                    "ImagePullBackOff",
+                                    format!("Back-off pulling image {:?}: {}", p.image, p.message),
+                                );
+                            }
+                        }
+                        status.write(&api, &name).await;
+                        Duration::from_secs((3u64 << pull_failures.min(3)).min(20))
+                    }
+                    None => Duration::from_secs(3),
+                };
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_secs(3)) => {}
+                    _ = tokio::time::sleep(wait) => {}
                     _ = stop.changed() => {}
                 }
                 if stop.borrow().is_some() {
@@ -389,6 +428,10 @@ struct ContainerRun {
     liveness: Option<Probe>,
     pgid_dir: PathBuf,
     max_grace: i64,
+    /// Under the OCI runtime: the container (its `program` is the runtime).
+    oci: Option<OciRun>,
+    /// What the status reports as `imageID`.
+    image_id: String,
 }
 
 async fn field_value(pod: &Pod, path: &str, ip: Ipv4Addr, host_ip: &str) -> Option<String> {
@@ -790,6 +833,18 @@ async fn resolve_services(client: &Client, arg: &str) -> anyhow::Result<String> 
     Ok(out)
 }
 
+/// Sets the group of `path` and everything under it (symlinks themselves, not their targets).
+fn chown_tree(path: &Path, gid: u32) -> anyhow::Result<()> {
+    std::os::unix::fs::lchown(path, None, Some(gid))
+        .with_context(|| format!("chown {}", path.display()))?;
+    if path.is_dir() && !path.is_symlink() {
+        for e in std::fs::read_dir(path)? {
+            chown_tree(&e?.path(), gid)?;
+        }
+    }
+    Ok(())
+}
+
 /// Builds every container's command line, environment and paths: (init containers, containers).
 async fn prepare(
     shared: &Shared,
@@ -803,6 +858,27 @@ async fn prepare(
     let spec = pod.spec.clone().unwrap_or_default();
     std::fs::create_dir_all(dir.join("home"))?;
     let vols = volumes(client, pod, dir, ip, host_ip).await?;
+    if shared.oci.is_some() {
+        // Containers run as their users now: the pod's own volumes are group-owned by
+        // `fsGroup` (as a kubelet's volume ownership management does); emptyDirs are 0777.
+        let fs_group = spec.security_context.as_ref().and_then(|s| s.fs_group);
+        for v in spec.volumes.iter().flatten() {
+            let Some(path) = vols.get(&v.name) else {
+                continue;
+            };
+            if v.empty_dir.is_some() {
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))?;
+            }
+            let own = v.empty_dir.is_some()
+                || v.config_map.is_some()
+                || v.secret.is_some()
+                || v.projected.is_some()
+                || v.downward_api.is_some();
+            if let (true, Some(g)) = (own, fs_group) {
+                chown_tree(path, u32::try_from(g).unwrap_or(0))?;
+            }
+        }
+    }
     let api_url = shared.apiserver_url.trim_end_matches('/');
     let (api_host, api_port) = api_url
         .trim_start_matches("https://")
@@ -847,7 +923,16 @@ async fn prepare_container(
     api_port: &str,
 ) -> anyhow::Result<ContainerRun> {
     let client = &shared.client;
+    let image_ref = c.image.clone().unwrap_or_default();
+    // Under the OCI runtime the image is pulled first: its env, user and entrypoint count.
+    let image = match &shared.oci {
+        Some(rt) => Some(oci::pull(&image_ref, &rt.images).await?),
+        None => None,
+    };
+    // Host processes see the volumes at their host paths (arguments and env values are
+    // rewritten); containers see them bind-mounted at their mount paths.
     let mut paths = PathMap::default();
+    let mut binds = Vec::new();
     let mut sa_dir = None;
     for m in c.volume_mounts.iter().flatten() {
         let base = vols
@@ -857,7 +942,14 @@ async fn prepare_container(
             Some(sub) => base.join(sub),
             None => base.clone(),
         };
-        paths.add(&m.mount_path, &host.to_string_lossy());
+        if image.is_none() {
+            paths.add(&m.mount_path, &host.to_string_lossy());
+        }
+        binds.push(Bind {
+            destination: m.mount_path.clone(),
+            source: host.clone(),
+            readonly: m.read_only == Some(true),
+        });
         if m.mount_path.trim_end_matches('/') == SA_MOUNT {
             sa_dir = Some(host);
         }
@@ -867,9 +959,17 @@ async fn prepare_container(
         .termination_message_path
         .clone()
         .unwrap_or_else(|| "/dev/termination-log".into());
-    paths.add(&term_path, &term_file.to_string_lossy());
+    if image.is_none() {
+        paths.add(&term_path, &term_file.to_string_lossy());
+    }
+    binds.push(Bind {
+        destination: term_path,
+        source: term_file.clone(),
+        readonly: false,
+    });
 
-    // Environment: a clean one (the kubelet's own credentials never leak into pods).
+    // Environment: a clean one (the kubelet's own credentials never leak into pods); under
+    // the runtime the image's variables come first.
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
     let mut set = |env: &mut BTreeMap<String, String>, k: &str, v: String| {
@@ -878,12 +978,30 @@ async fn prepare_container(
         }
         env.insert(k.to_string(), v);
     };
-    set(
-        &mut env,
-        "PATH",
-        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
-    );
-    set(&mut env, "HOME", dir.join("home").to_string_lossy().into());
+    match &image {
+        None => {
+            set(
+                &mut env,
+                "PATH",
+                std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
+            );
+            set(&mut env, "HOME", dir.join("home").to_string_lossy().into());
+        }
+        Some(img) => {
+            set(
+                &mut env,
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            );
+            for l in img.config.env.iter().flatten() {
+                let (k, v) = l.split_once('=').unwrap_or((l, ""));
+                set(&mut env, k, v.to_string());
+            }
+            if !env.contains_key("HOME") {
+                set(&mut env, "HOME", "/".into());
+            }
+        }
+    }
     set(&mut env, "HOSTNAME", pod.name_any());
     set(&mut env, "KUBERNETES_SERVICE_HOST", api_host.to_string());
     set(&mut env, "KUBERNETES_SERVICE_PORT", api_port.to_string());
@@ -893,16 +1011,30 @@ async fn prepare_container(
         }
     }
     if let Some(sa) = &sa_dir {
-        // kube clients read in-cluster credentials from a fixed path; give them a kubeconfig
-        // with the pod's own ServiceAccount token instead (so RBAC is really exercised).
+        // kube clients read in-cluster credentials from a fixed path and a Service address
+        // that does not exist here; give them a kubeconfig with the pod's own ServiceAccount
+        // token instead (so RBAC is really exercised).
         let kc = dir.join(format!("{}.kubeconfig", c.name));
+        let (ca, token, at) = match &image {
+            None => (sa.join("ca.crt"), sa.join("token"), kc.clone()),
+            Some(_) => (
+                Path::new(SA_MOUNT).join("ca.crt"),
+                Path::new(SA_MOUNT).join("token"),
+                PathBuf::from(KUBECONFIG_MOUNT),
+            ),
+        };
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {api_url}\n    certificate-authority: {ca}\nusers:\n- name: u\n  user:\n    tokenFile: {token}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n    namespace: {ns}\ncurrent-context: c\n",
-            ca = sa.join("ca.crt").display(),
-            token = sa.join("token").display(),
+            ca = ca.display(),
+            token = token.display(),
         );
         write_file(&kc, text.as_bytes())?;
-        set(&mut env, "KUBECONFIG", kc.to_string_lossy().into());
+        binds.push(Bind {
+            destination: KUBECONFIG_MOUNT.into(),
+            source: kc,
+            readonly: true,
+        });
+        set(&mut env, "KUBECONFIG", at.to_string_lossy().into());
     }
     // envFrom first (each key of the Secret / ConfigMap, with the prefix), then env, which
     // wins on a clash: the kubelet's order.
@@ -950,19 +1082,36 @@ async fn prepare_container(
         let value = rewrite::bind_to_pod_ip(&paths.map_arg(&value), &ip.to_string());
         set(&mut env, &e.name, value);
     }
+    let env: Vec<(String, String)> = order.iter().map(|k| (k.clone(), env[k].clone())).collect();
 
-    let image = c.image.clone().unwrap_or_default();
+    // The command line: a mapped host binary and the rest of `command` + `args`, or the
+    // Kubernetes rule over the image's entrypoint and cmd.
     let command = c.command.clone().unwrap_or_default();
-    let program = rewrite::resolve_program(
-        command.first().map(String::as_str),
-        &image,
-        &shared.binaries,
-        &shared.allowed_host,
-    )
-    .map_err(|e| anyhow!(e))?;
+    let (program, raw_args) = match &image {
+        None => (
+            rewrite::resolve_program(
+                command.first().map(String::as_str),
+                &image_ref,
+                &shared.binaries,
+                &shared.allowed_host,
+            )
+            .map_err(|e| anyhow!(e))?,
+            command
+                .iter()
+                .skip(1)
+                .chain(c.args.iter().flatten())
+                .cloned()
+                .collect::<Vec<_>>(),
+        ),
+        Some(img) => (
+            String::new(),
+            oci::process_args(&img.config, c.command.as_deref(), c.args.as_deref())?,
+        ),
+    };
+    let env_map: BTreeMap<String, String> = env.iter().cloned().collect();
     let mut args = Vec::new();
-    for a in command.iter().skip(1).chain(c.args.iter().flatten()) {
-        let a = rewrite::expand(a, &env);
+    for a in &raw_args {
+        let a = rewrite::expand(a, &env_map);
         let a = resolve_services(client, &a).await?;
         let a = rewrite::bind_to_pod_ip(&paths.map_arg(&a), &ip.to_string());
         if let Some(host) = rewrite::non_loopback_url(&a) {
@@ -976,12 +1125,13 @@ async fn prepare_container(
         .flatten()
         .filter_map(|p| Some((p.name.clone()?, p.container_port)))
         .collect();
-    Ok(ContainerRun {
+    let mut run = ContainerRun {
         name: c.name.clone(),
-        image,
+        image: image_ref.clone(),
+        image_id: String::new(),
         program,
         args,
-        env: order.iter().map(|k| (k.clone(), env[k].clone())).collect(),
+        env,
         cwd: dir.to_path_buf(),
         log: dir.join(format!("{}.log", c.name)),
         termination_file: term_file,
@@ -990,13 +1140,105 @@ async fn prepare_container(
         startup: c.startup_probe.clone(),
         readiness: c.readiness_probe.clone(),
         liveness: c.liveness_probe.clone(),
+        oci: None,
         // Filled in by run_pod.
         idx: 0,
         restart_policy: String::new(),
         ip,
         pgid_dir: PathBuf::new(),
         max_grace: 0,
-    })
+    };
+    let (Some(rt), Some(img)) = (&shared.oci, &image) else {
+        run.image_id = format!("local://{}", run.program);
+        return Ok(run);
+    };
+    // The container's bundle: config.json from the pod spec over umoci's config for the image.
+    let pod_sc = pod.spec.as_ref().and_then(|s| s.security_context.clone());
+    let sc = c.security_context.clone().unwrap_or_default();
+    let (uid, gid) = oci::user(
+        img.config.user.as_deref(),
+        sc.run_as_user
+            .or(pod_sc.as_ref().and_then(|p| p.run_as_user)),
+        sc.run_as_group
+            .or(pod_sc.as_ref().and_then(|p| p.run_as_group)),
+        &img.rootfs,
+    )?;
+    let non_root = sc
+        .run_as_non_root
+        .or(pod_sc.as_ref().and_then(|p| p.run_as_non_root));
+    if non_root == Some(true) && uid == 0 {
+        bail!("container has runAsNonRoot and image will run as root");
+    }
+    let mut additional_gids: Vec<u32> = pod_sc
+        .as_ref()
+        .and_then(|p| p.fs_group)
+        .into_iter()
+        .chain(
+            pod_sc
+                .as_ref()
+                .and_then(|p| p.supplemental_groups.clone())
+                .into_iter()
+                .flatten(),
+        )
+        .filter_map(|g| u32::try_from(g).ok())
+        .collect();
+    additional_gids.dedup();
+    let bundle = dir.join(format!("{}.bundle", c.name));
+    let readonly_root = sc.read_only_root_filesystem == Some(true);
+    let rootfs = if readonly_root {
+        img.rootfs.clone()
+    } else {
+        oci::private_rootfs(img, &bundle).await?
+    };
+    let caps = sc.capabilities.as_ref().map(|k| {
+        let defaults: Vec<String> = img.base["process"]["capabilities"]["bounding"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        oci::capabilities(
+            &defaults,
+            k.drop.as_deref().unwrap_or_default(),
+            k.add.as_deref().unwrap_or_default(),
+        )
+    });
+    let spec = oci::RunSpec {
+        args: run.args.clone(),
+        env: run.env.clone(),
+        cwd: c
+            .working_dir
+            .clone()
+            .or(img.config.working_dir.clone())
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| "/".into()),
+        uid,
+        gid,
+        additional_gids,
+        rootfs,
+        readonly_root,
+        binds,
+        hostname: pod.name_any(),
+        no_new_privileges: sc.allow_privilege_escalation == Some(false),
+        capabilities: caps,
+    };
+    oci::write_bundle(&bundle, &oci::bundle_config(&img.base, &spec))?;
+    let o = OciRun {
+        runtime: rt.program.clone(),
+        root: rt.root.clone(),
+        id: oci::container_id(&pod.uid().unwrap_or_default(), &c.name),
+        bundle,
+    };
+    run.program = rt.program.clone();
+    run.args = o.run_args();
+    // The runtime itself gets the kubelet's PATH only; the container's env is in the bundle.
+    run.env = vec![(
+        "PATH".into(),
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+    )];
+    run.image_id = img.pinned.clone();
+    run.oci = Some(o);
+    Ok(run)
 }
 
 /// One probe's bookkeeping.
@@ -1079,6 +1321,15 @@ async fn probe_once(p: &Probe, ip: Ipv4Addr, ports: &BTreeMap<String, i32>) -> b
     matches!(tokio::time::timeout(timeout, fut).await, Ok(Some(true)))
 }
 
+/// Signals a container: through the OCI runtime (its init process; a SIGKILL ends its PID
+/// namespace), or its host process group.
+fn signal(c: &ContainerRun, pgid: i32, sig: i32) {
+    match &c.oci {
+        Some(o) => o.signal(if sig == libc::SIGKILL { "KILL" } else { "TERM" }),
+        None => signal_group(pgid, sig),
+    }
+}
+
 fn signal_group(pgid: i32, sig: i32) {
     if pgid > 0 {
         // SAFETY: kill(2) on a process group this kubelet created; no memory is touched.
@@ -1099,16 +1350,23 @@ async fn supervise(
     let mut last_state: Option<ContainerState> = None;
     let _ = std::fs::create_dir_all(&c.pgid_dir);
     loop {
+        // Writable by the container's user, as a kubelet's termination-log file is.
         let _ = std::fs::write(&c.termination_file, b"");
+        let _ =
+            std::fs::set_permissions(&c.termination_file, std::fs::Permissions::from_mode(0o666));
+        if let Some(o) = &c.oci {
+            o.delete(); // the state of a previous run of this container, if any
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&c.log);
+        let log_start = std::fs::metadata(&c.log).map(|m| m.len()).unwrap_or(0);
         let started_at = now();
         let mut status = ContainerStatus {
             name: c.name.clone(),
             image: c.image.clone(),
-            image_id: format!("local://{}", c.program),
+            image_id: c.image_id.clone(),
             restart_count: restarts,
             last_state: last_state.clone(),
             ..Default::default()
@@ -1142,7 +1400,10 @@ async fn supervise(
                 let report = |status: &mut ContainerStatus, started: bool, ready: bool| {
                     status.started = Some(started);
                     status.ready = ready;
-                    status.container_id = Some(format!("local://{pgid}"));
+                    status.container_id = Some(match &c.oci {
+                        Some(o) => format!("runc://{}", o.id),
+                        None => format!("local://{pgid}"),
+                    });
                     status.state = Some(ContainerState {
                         running: Some(ContainerStateRunning {
                             started_at: Some(started_at.clone()),
@@ -1173,11 +1434,11 @@ async fn supervise(
                                     Stop::Shutdown => 5,
                                 };
                                 stopped = true;
-                                signal_group(pgid, libc::SIGTERM);
+                                signal(&c, pgid, libc::SIGTERM);
                                 match tokio::time::timeout(Duration::from_secs(grace as u64), child.wait()).await {
                                     Ok(r) => break r.ok(),
                                     Err(_) => {
-                                        signal_group(pgid, libc::SIGKILL);
+                                        signal(&c, pgid, libc::SIGKILL);
                                         break child.wait().await.ok();
                                     }
                                 }
@@ -1217,9 +1478,9 @@ async fn supervise(
                             }
                             if let Some(which) = killed_by_probe {
                                 warn!(container = %c.name, "{which} probe failed; restarting");
-                                signal_group(pgid, libc::SIGTERM);
+                                signal(&c, pgid, libc::SIGTERM);
                                 if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
-                                    signal_group(pgid, libc::SIGKILL);
+                                    signal(&c, pgid, libc::SIGKILL);
                                 }
                                 break child.wait().await.ok();
                             }
@@ -1233,16 +1494,29 @@ async fn supervise(
                 // Leftover children of the container die with it.
                 signal_group(pgid, libc::SIGKILL);
                 let _ = std::fs::remove_file(&pgid_file);
+                // Under the runtime, no pid file means the container's process never started
+                // (a missing entrypoint, a mount that failed): the runtime said why.
+                let never_started = c.oci.as_ref().is_some_and(|o| !o.pid_file().exists());
+                if let Some(o) = &c.oci {
+                    o.delete();
+                }
                 use std::os::unix::process::ExitStatusExt;
                 let code = exit
                     .map(|s| s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))
                     .unwrap_or(137);
-                let reason = if code == 0 && killed_by_probe.is_none() {
-                    "Completed"
+                if never_started && !stopped {
+                    let log = std::fs::read(&c.log).unwrap_or_default();
+                    let from = (log_start as usize).min(log.len());
+                    let said = String::from_utf8_lossy(&log[from..]).trim().to_string();
+                    (128, "StartError".to_string(), said)
                 } else {
-                    "Error"
-                };
-                (code, reason.to_string(), String::new())
+                    let reason = if code == 0 && killed_by_probe.is_none() {
+                        "Completed"
+                    } else {
+                        "Error"
+                    };
+                    (code, reason.to_string(), String::new())
+                }
             }
         };
         let mut message = std::fs::read(&c.termination_file)
