@@ -64,15 +64,9 @@ pub struct Image {
 /// `REG/REPO:TAG@sha256:D` -> `REG/REPO@sha256:D` (with a digest the tag is ignored, as
 /// container runtimes do); a reference without a digest is returned as it is.
 pub fn without_tag(reference: &str) -> String {
-    let Some((name, digest)) = reference.split_once('@') else {
-        return reference.to_string();
-    };
-    let (dir, last) = name.rsplit_once('/').unwrap_or(("", name));
-    let repo = last.split(':').next().unwrap_or(last);
-    if dir.is_empty() {
-        format!("{repo}@{digest}")
-    } else {
-        format!("{dir}/{repo}@{digest}")
+    match reference.split_once('@') {
+        Some((_, digest)) => format!("{}@{digest}", repository(reference)),
+        None => reference.to_string(),
     }
 }
 
