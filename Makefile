@@ -30,17 +30,23 @@ lint:
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
 
 # Unit and integration tests; the operator's cluster tests run against the local control
-# plane (built once from Go modules, cached), which is brought up for them and torn down.
+# plane (built once from Go modules, cached), which is brought up for them and torn down. The
+# chart test runs the operator FROM its image: built, pushed to the loopback registry and
+# installed by digest (DSPARK_CHART_OPERATOR_IMAGE), run by the test kubelet through runc.
 unit:
 	tests/cluster/cluster.sh up
-	set -o pipefail; trap 'tests/cluster/cluster.sh down' EXIT; \
+	set -o pipefail; trap 'tests/cluster/cluster.sh down; tests/registry/registry.sh down' EXIT; \
+	  tests/registry/registry.sh up; \
+	  DSPARK_IMAGES_OUT="$(DSPARK_CACHE)/images/unit" scripts/images.sh push "$$(tests/registry/registry.sh addr)" operator; \
+	  . "$(DSPARK_CACHE)/images/unit/digests.env"; \
 	  eval "$$(tests/cluster/cluster.sh env)"; \
-	  DSPARK_REQUIRE_CLUSTER=1 $(CARGO) test --release --workspace --no-fail-fast
+	  DSPARK_CHART_OPERATOR_IMAGE="$$OPERATOR_IMAGE" DSPARK_REQUIRE_IMAGES=1 DSPARK_REQUIRE_CLUSTER=1 \
+	    $(CARGO) test --release --workspace --no-fail-fast
 
 python-test:
 	python3 -m pytest -q tests/python tests/otel
 
-test: setup build lint unit python-test e2e images-test
+test: setup build lint unit python-test e2e cuda-build images-test
 
 cluster-up:
 	tests/cluster/cluster.sh up
@@ -67,12 +73,15 @@ images: build
 
 # The images end to end without a cluster: push to a real registry on loopback
 # (tests/registry), pull by digest with skopeo, run the engine with runc as its pod would
-# (uid 65532, read-only root, /tmp volume, model mounted) and check /health and a completion.
+# (uid 65532, read-only root, /tmp volume, model mounted) and check /health and a completion;
+# the engine-cuda image (after `make cuda-build`) must load every library but the driver's.
 images-test: build
 	tests/images/run-images.sh
 
 # The engine with --features cuda, compiled against a CUDA toolkit from PyPI wheels (no GPU or
-# driver needed; it only compiles). Not part of `make test`: a cold build is long on 2 cores.
+# driver needed; it only compiles). In `make test` before images-test: a cold build is long on
+# 2 cores (~31 min; its target dir is cached outside the repo, so later runs rebuild only what
+# changed).
 # Then `scripts/images.sh build engine-cuda` makes the CUDA image. See docs/operations.md.
 cuda-build:
 	scripts/cuda-build.sh

@@ -1,11 +1,15 @@
 //! The Helm chart (charts/dspark-operator): its CRDs are the repository's, its RBAC is exactly
 //! operator/deploy/rbac.yaml, it lints, and (against the local cluster, `tests/cluster/cluster.sh
 //! up`, KUBECONFIG and helm on PATH: `eval "$(tests/cluster/cluster.sh env)"`) it installs, runs
-//! the operator built from this tree as a pod through the test kubelet (so the chart's RBAC,
-//! ServiceAccount token, probes and leader election are really used), passes `helm test`,
-//! upgrades under a live DSparkDeployment (the new pod takes the Lease, owned objects are
-//! kept, the deployment is still reconciled) and uninstalls, leaving only the CRDs. Without a cluster the cluster test prints why and passes,
-//! unless DSPARK_REQUIRE_CLUSTER=1.
+//! the operator as a pod through the test kubelet (so the chart's RBAC, ServiceAccount token,
+//! probes and leader election are really used), passes `helm test`, upgrades under a live
+//! DSparkDeployment (the new pod takes the Lease, owned objects are kept, the deployment is
+//! still reconciled) and uninstalls, leaving only the CRDs. With DSPARK_CHART_OPERATOR_IMAGE
+//! (`REGISTRY/REPOSITORY@sha256:...`, as `make test` pushes it to the loopback registry) the
+//! operator and the `helm test` hook run FROM that image through runc, installed by digest;
+//! without it the kubelet runs this build's operator binary in their place
+//! (DSPARK_REQUIRE_IMAGES=1 refuses that). Without a cluster the cluster test prints why and
+//! passes, unless DSPARK_REQUIRE_CLUSTER=1.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -381,6 +385,35 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         Ok(p) => p,
         Err(why) => return skip(&why),
     };
+    // `REGISTRY/REPOSITORY@sha256:...` (make test pushes this tree's operator image to the
+    // loopback registry): the operator and the helm test hook run FROM it through runc.
+    // Unset: the test kubelet runs the operator binary of this build in their place.
+    let image = std::env::var("DSPARK_CHART_OPERATOR_IMAGE")
+        .ok()
+        .filter(|s| !s.is_empty());
+    if std::env::var("DSPARK_REQUIRE_IMAGES").as_deref() == Ok("1") {
+        let image = image.as_deref().unwrap_or_default();
+        assert!(
+            image.contains("@sha256:"),
+            "DSPARK_REQUIRE_IMAGES=1 but DSPARK_CHART_OPERATOR_IMAGE ({image:?}) is not an image by digest"
+        );
+    }
+    let image_values: Vec<String> = match image.as_deref().and_then(|i| i.split_once('@')) {
+        Some((repo, digest)) => vec![
+            format!("image.repository={repo}"),
+            format!("image.digest={digest}"),
+        ],
+        None => vec![
+            "image.repository=dspark/operator".into(),
+            "image.tag=dev".into(),
+        ],
+    };
+    eprintln!(
+        "operator from {}",
+        image
+            .as_deref()
+            .unwrap_or("the host binary (no DSPARK_CHART_OPERATOR_IMAGE)")
+    );
     let t0 = Instant::now();
     let ns = format!("dspark-chart-{}", std::process::id());
     let release = "chart-test";
@@ -417,15 +450,21 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         std::fs::create_dir_all(&dir).unwrap();
         let log = std::fs::File::create(dir.join("kubelet.log")).unwrap();
         eprintln!("test kubelet log: {}", dir.join("kubelet.log").display());
-        let child = Command::new(&test_kubelet)
-            .args([
-                "--node-selector",
-                "dspark.dev/chart-test=true",
-                "--state-dir",
-            ])
-            .arg(&dir)
-            .arg("--binary")
-            .arg(format!("dspark-operator={}", operator.display()))
+        let mut cmd = Command::new(&test_kubelet);
+        cmd.args([
+            "--node-selector",
+            "dspark.dev/chart-test=true",
+            "--state-dir",
+        ])
+        .arg(&dir);
+        match &image {
+            // The operator image from the registry, through runc.
+            Some(_) => cmd.args(["--image-runtime", "runc"]),
+            None => cmd
+                .arg("--binary")
+                .arg(format!("dspark-operator={}", operator.display())),
+        };
+        let child = cmd
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
             .spawn()
@@ -440,13 +479,14 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
 
     let result = std::panic::catch_unwind(|| {
         k(&["create", "namespace", &ns]).unwrap();
-        let values = [
-            "--set",
-            "image.repository=dspark/operator",
-            "--set",
-            "image.tag=dev",
+        let mut values: Vec<&str> = image_values
+            .iter()
+            .flat_map(|v| ["--set", v.as_str()])
+            .collect();
+        let selector = format!("nodeSelector.{}=true", node_label.replace('.', "\\."));
+        values.extend([
             "--set-string",
-            &format!("nodeSelector.{}=true", node_label.replace('.', "\\.")),
+            &selector,
             "--set",
             "tolerations[0].key=nvidia.com/gpu",
             "--set",
@@ -457,12 +497,12 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
             "networkPolicy.enabled=true",
             "--set",
             "logLevel=info",
-        ];
+        ]);
         let out = run(Command::new(&helm)
             .args(["install", release])
             .arg(chart())
             .args(["-n", &ns, "--wait", "--timeout", "120s"])
-            .args(values))
+            .args(&values))
         .unwrap();
         assert!(out.contains("helm test"), "NOTES.txt not shown: {out}");
         eprintln!(
@@ -508,6 +548,22 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         ])
         .unwrap();
         assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
+        if let Some(image) = &image {
+            let id = k(&[
+                "get",
+                "pod",
+                "-n",
+                &ns,
+                &pod,
+                "-o",
+                "jsonpath={.status.containerStatuses[0].imageID}",
+            ])
+            .unwrap();
+            assert_eq!(
+                &id, image,
+                "the operator pod does not run from the pushed image"
+            );
+        }
 
         // Its ClusterRole is enough to reconcile a DSparkDeployment (no engines: 0 replicas,
         // no profiling, no autoscaling). The weights are a volume: a remote source gets its
@@ -570,7 +626,7 @@ spec:
             .args(["upgrade", release])
             .arg(chart())
             .args(["-n", &ns, "--wait", "--timeout", "120s"])
-            .args(values)
+            .args(&values)
             .args(["--set", "logLevel=debug"]))
         .unwrap();
         assert!(out.contains("REVISION: 2"), "{out}");

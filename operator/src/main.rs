@@ -1,13 +1,14 @@
 //! `dspark-operator`: waits for the leader Lease, applies its CRDs (`--apply-crds`), then runs
 //! the DSparkDeployment controller; serves `/metrics` and `/healthz`; shuts down gracefully on
-//! SIGTERM (finishing reconciles in flight and releasing the Lease).
+//! SIGTERM (finishing reconciles in flight and releasing the Lease). `dspark-operator probe URL`
+//! is the chart's `helm test`: the operator image has no shell and no wget.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use futures::StreamExt;
 use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
@@ -65,6 +66,35 @@ struct Args {
     /// The same on pools that request GPUs (default `dspark/engine-cuda:<version>`).
     #[arg(long, env = "DSPARK_ENGINE_CUDA_IMAGE")]
     engine_cuda_image: Option<String>,
+    #[command(subcommand)]
+    command: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// GET URL; print the body and exit 0 on a 2xx answer, else say why and exit 1.
+    Probe {
+        url: String,
+        /// Seconds to wait for the connection and the whole answer.
+        #[arg(long, default_value_t = 5)]
+        timeout_seconds: u64,
+    },
+}
+
+/// `dspark-operator probe URL`.
+async fn probe(url: &str, timeout: Duration) -> anyhow::Result<()> {
+    let client = dspark_operator::http::HttpClient::new(timeout);
+    let resp = client
+        .send(hyper::Method::GET, url, None, None)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    println!("{}", resp.body.trim_end());
+    anyhow::ensure!(
+        (200..300).contains(&resp.status),
+        "{url} answered {}",
+        resp.status
+    );
+    Ok(())
 }
 
 /// Resolves when SIGTERM or Ctrl-C arrives.
@@ -82,9 +112,16 @@ async fn main() -> anyhow::Result<()> {
     if std::env::var_os("RUST_LOG").is_none() {
         std::env::set_var("RUST_LOG", "info,kube=warn");
     }
+    let args = Args::parse();
+    if let Some(Cmd::Probe {
+        url,
+        timeout_seconds,
+    }) = &args.command
+    {
+        return probe(url, Duration::from_secs(*timeout_seconds)).await;
+    }
     // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
     let _telemetry = dspark_telemetry::init("dspark-operator")?;
-    let args = Args::parse();
     let defaults = dspark_operator::crd::EngineImages::default();
     dspark_operator::crd::EngineImages {
         cpu: args.engine_image.clone().unwrap_or(defaults.cpu),

@@ -31,7 +31,10 @@ trap cleanup EXIT
 
 tests/registry/registry.sh up
 REG="$(tests/registry/registry.sh addr)"
-DSPARK_IMAGES_OUT="$WORK" scripts/images.sh push "$REG" operator engine >/dev/null
+# engine-cuda needs the CUDA build (make cuda-build); DSPARK_IMAGES_TEST_CUDA=0 leaves it out.
+NAMES=(operator engine)
+[ "${DSPARK_IMAGES_TEST_CUDA:-1}" = 0 ] || NAMES+=(engine-cuda)
+DSPARK_IMAGES_OUT="$WORK" scripts/images.sh push "$REG" "${NAMES[@]}" >/dev/null
 # shellcheck disable=SC1091
 . "$WORK/digests.env"
 [[ "$ENGINE_IMAGE" == "$REG"/dspark/engine@sha256:* ]] || die "engine not referenced by digest: $ENGINE_IMAGE"
@@ -66,9 +69,12 @@ PY
 # The engine as the operator's pod spec runs it (command dspark-engine serve ..., uid 65532,
 # readOnlyRootFilesystem, an emptyDir at /tmp, the model volume read-only).
 mkdir -p "$WORK/tmpvol" && chown 65532:65532 "$WORK/tmpvol"
-python3 - "$WORK/engine/config.json" "$MODEL" "$WORK/tmpvol" "$PORT" <<'PY'
+# pod_bundle NAME [SRC:DST ...]: the bundle's config.json as a pod's container: the image's own
+# environment, `dspark-engine serve` of the model on $PORT, extra read-only binds SRC -> DST.
+pod_bundle() {
+python3 - "$WORK/$1/config.json" "$MODEL" "$WORK/tmpvol" "$PORT" "${@:2}" <<'PY'
 import json, sys
-path, model, tmp, port = sys.argv[1:]
+path, model, tmp, port, *binds = sys.argv[1:]
 s = json.load(open(path))
 p = s["process"]
 p["terminal"] = False
@@ -85,7 +91,8 @@ s["hostname"] = "engine"
 s["mounts"] = [m for m in s["mounts"] if m["destination"] != "/tmp"] + [
     {"destination": "/tmp", "type": "bind", "source": tmp, "options": ["rbind", "rw"]},
     {"destination": "/models/model.gguf", "type": "bind", "source": model, "options": ["rbind", "ro"]},
-]
+] + [{"destination": b.split(":", 1)[1], "type": "bind", "source": b.split(":", 1)[0],
+      "options": ["rbind", "ro"]} for b in binds]
 # Host network namespace, as the test kubelet's pods have (loopback pod IPs).
 s["linux"]["namespaces"] = [n for n in s["linux"]["namespaces"] if n["type"] not in ("network", "cgroup")]
 # No resource limits in the test (the runtime's default cgroup, no cgroup namespace).
@@ -93,6 +100,8 @@ s["linux"].pop("resources", None); s["linux"].pop("cgroupsPath", None)
 s["mounts"] = [m for m in s["mounts"] if m["type"] != "cgroup"]
 json.dump(s, open(path, "w"), indent=1)
 PY
+}
+pod_bundle engine
 # An OCI bundle's command resolves in the image's PATH: crun looks `dspark-engine` up there.
 "${RT[@]}" run --bundle "$WORK/engine" "$CTR" >"$WORK/engine.log" 2>&1 &
 RPID=$!
@@ -115,4 +124,46 @@ grep -E '^[^ ]+ / ' "/proc/$PID/mounts" | grep -q '[ ,]ro[ ,]' || die "root file
 log "engine image served /health and a completion as uid 65532 on a read-only root ($((SECONDS - T0))s)"
 "${RT[@]}" kill "$CTR" TERM 2>/dev/null || true
 wait "$RPID" 2>/dev/null || true
+
+# engine-cuda: no GPU here, so it cannot serve; what it can show is that the image is complete.
+# The node's driver provides libcuda.so.1 (the NVIDIA container toolkit mounts it); here the
+# toolkit's link stub stands in (every entry point answers CUDA_ERROR_NO_DEVICE). The dynamic
+# loader must resolve every other library from the image (a missing one fails before main),
+# and `serve --device cuda` must reach cuInit and stop with a clear message.
+if [ -n "${ENGINE_CUDA_IMAGE:-}" ]; then
+  pull "$ENGINE_CUDA_IMAGE" engine-cuda
+  cfg="$(skopeo inspect --tls-verify=false --config "docker://$ENGINE_CUDA_IMAGE")"
+  python3 - "$cfg" <<'PY' || die "engine-cuda image config"
+import json, sys
+cc = json.loads(sys.argv[1])["config"]
+assert cc["User"] == "65532:65532", cc["User"]
+assert cc["Entrypoint"] == ["/usr/local/bin/dspark-engine"], cc
+assert "LD_LIBRARY_PATH=/usr/local/cuda/lib64" in cc["Env"], cc["Env"]
+assert cc["Labels"]["dev.dspark.cuda.compute-capability"].isdigit(), cc["Labels"]
+PY
+  STUB="$(eval "$(scripts/cuda-build.sh env)"; echo "$CUDA_ROOT/lib/stubs/libcuda.so")"
+  [ -s "$STUB" ] || die "no libcuda stub at $STUB (make cuda-build)"
+  [ ! -e "$WORK/engine-cuda/rootfs/usr/lib/x86_64-linux-gnu/libcuda.so.1" ] || die "engine-cuda carries libcuda.so.1 (the driver's)"
+  pod_bundle engine-cuda "$STUB:/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+  python3 - "$WORK/engine-cuda/config.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1])); s["process"]["args"] += ["--device", "cuda"]
+json.dump(s, open(sys.argv[1], "w"), indent=1)
+PY
+  CCTR="$CTR-cuda"
+  rc=0; timeout 120 "${RT[@]}" run --bundle "$WORK/engine-cuda" "$CCTR" >"$WORK/engine-cuda.log" 2>&1 || rc=$?
+  "${RT[@]}" delete -f "$CCTR" >/dev/null 2>&1 || true
+  if grep -q "error while loading shared libraries" "$WORK/engine-cuda.log"; then
+    cat "$WORK/engine-cuda.log" >&2; die "engine-cuda misses a library"
+  fi
+  [ "$rc" != 0 ] && grep -q "cannot open CUDA device 0" "$WORK/engine-cuda.log" ||
+    { cat "$WORK/engine-cuda.log" >&2; die "engine-cuda --device cuda: expected a clear CUDA error, got rc $rc"; }
+  log "engine-cuda image: every library but the driver's resolves in the image; without a GPU it stops with: $(grep -m1 -o 'cannot open CUDA device 0.*' "$WORK/engine-cuda.log" | cut -c1-160)"
+fi
+# Sizes as a registry stores them (compressed layers); the operator image must stay small.
+size_mb() { skopeo inspect --raw --tls-verify=false "docker://$1" |
+  python3 -c 'import json,sys; print("%.1f" % (sum(l["size"] for l in json.load(sys.stdin)["layers"]) / 1e6))'; }
+OP_MB="$(size_mb "$OPERATOR_IMAGE")"
+log "image sizes (compressed): operator $OP_MB MB, engine $(size_mb "$ENGINE_IMAGE") MB${ENGINE_CUDA_IMAGE:+, engine-cuda $(size_mb "$ENGINE_CUDA_IMAGE") MB}"
+python3 -c 'import sys; sys.exit(float(sys.argv[1]) >= 50)' "$OP_MB" || die "the operator image is $OP_MB MB (limit 50)"
 log "PASS"
