@@ -42,7 +42,7 @@ case "${1:-run}" in
     fi
     # The CUDA user-space libraries the binary links (the driver's libcuda.so.1 is found by the
     # system loader): the first directory that holds each.
-    LIBS="$(python3 - <<'PY'
+    LIBS="$("${PYTHON:-python3}" - <<'PY'
 import glob, os, site, sys
 want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13"]
 roots = ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"] + site.getsitepackages()
@@ -63,7 +63,7 @@ PY
     export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     { uname -a; nproc; ldd "$BIN"; "$BIN" --version; } >"$OUT/env.txt" 2>&1 || true
     log "binary $BIN; libraries from ${LIBS:-the system}"
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --bin "$BIN" --work "$WORK" --out "$OUT"
+    PYTHONUNBUFFERED=1 "${PYTHON:-python3}" scripts/gpu_check.py --bin "$BIN" --work "$WORK" --out "$OUT"
     ;;
   *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
