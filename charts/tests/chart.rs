@@ -537,28 +537,22 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         };
         let holder = wait_for("the leader Lease", 60, leader);
         assert_eq!(holder, pod);
-        let ip = k(&[
-            "get",
-            "pod",
-            "-n",
-            &ns,
-            &pod,
-            "-o",
-            "jsonpath={.status.podIP}",
-        ])
-        .unwrap();
-        assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
-        if let Some(image) = &image {
-            let id = k(&[
+        let pod_field = |path: &str| {
+            k(&[
                 "get",
                 "pod",
                 "-n",
                 &ns,
                 &pod,
                 "-o",
-                "jsonpath={.status.containerStatuses[0].imageID}",
+                &format!("jsonpath={path}"),
             ])
-            .unwrap();
+            .unwrap()
+        };
+        let ip = pod_field("{.status.podIP}");
+        assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
+        if let Some(image) = &image {
+            let id = pod_field("{.status.containerStatuses[0].imageID}");
             assert_eq!(
                 &id, image,
                 "the operator pod does not run from the pushed image"
