@@ -40,7 +40,7 @@ unit:
 	  DSPARK_IMAGES_OUT="$(DSPARK_CACHE)/images/unit" scripts/images.sh push "$$(tests/registry/registry.sh addr)" operator; \
 	  . "$(DSPARK_CACHE)/images/unit/digests.env"; \
 	  eval "$$(tests/cluster/cluster.sh env)"; \
-	  DSPARK_CHART_OPERATOR_IMAGE="$$OPERATOR_IMAGE" DSPARK_REQUIRE_IMAGES=1 DSPARK_REQUIRE_CLUSTER=1 \
+	  DSPARK_CHART_OPERATOR_IMAGE="$$OPERATOR_IMAGE" DSPARK_REQUIRE_CLUSTER=1 \
 	    $(CARGO) test --release --workspace --no-fail-fast
 
 python-test:

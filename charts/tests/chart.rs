@@ -4,12 +4,11 @@
 //! the operator as a pod through the test kubelet (so the chart's RBAC, ServiceAccount token,
 //! probes and leader election are really used), passes `helm test`, upgrades under a live
 //! DSparkDeployment (the new pod takes the Lease, owned objects are kept, the deployment is
-//! still reconciled) and uninstalls, leaving only the CRDs. With DSPARK_CHART_OPERATOR_IMAGE
-//! (`REGISTRY/REPOSITORY@sha256:...`, as `make test` pushes it to the loopback registry) the
-//! operator and the `helm test` hook run FROM that image through runc, installed by digest;
-//! without it the kubelet runs this build's operator binary in their place
-//! (DSPARK_REQUIRE_IMAGES=1 refuses that). Without a cluster the cluster test prints why and
-//! passes, unless DSPARK_REQUIRE_CLUSTER=1.
+//! still reconciled) and uninstalls, leaving only the CRDs. The operator and the `helm test`
+//! hook run FROM the image DSPARK_CHART_OPERATOR_IMAGE (`REGISTRY/REPOSITORY@sha256:...`, as
+//! `make unit` pushes it to the loopback registry) through runc, installed by digest. Without a
+//! cluster or that image the cluster test prints why and passes, unless
+//! DSPARK_REQUIRE_CLUSTER=1.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -377,43 +376,24 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
     if k(&["get", "--raw", "/readyz"]).is_err() {
         return skip("the apiserver does not answer");
     }
-    let operator = match workspace_bin("dspark-operator", "DSPARK_OPERATOR_BIN") {
-        Ok(p) => p,
-        Err(why) => return skip(&why),
-    };
     let test_kubelet = match workspace_bin("dspark-test-kubelet", "DSPARK_TEST_KUBELET_BIN") {
         Ok(p) => p,
         Err(why) => return skip(&why),
     };
     // `REGISTRY/REPOSITORY@sha256:...` (make test pushes this tree's operator image to the
     // loopback registry): the operator and the helm test hook run FROM it through runc.
-    // Unset: the test kubelet runs the operator binary of this build in their place.
-    let image = std::env::var("DSPARK_CHART_OPERATOR_IMAGE")
-        .ok()
-        .filter(|s| !s.is_empty());
-    if std::env::var("DSPARK_REQUIRE_IMAGES").as_deref() == Ok("1") {
-        let image = image.as_deref().unwrap_or_default();
-        assert!(
-            image.contains("@sha256:"),
-            "DSPARK_REQUIRE_IMAGES=1 but DSPARK_CHART_OPERATOR_IMAGE ({image:?}) is not an image by digest"
-        );
-    }
-    let image_values: Vec<String> = match image.as_deref().and_then(|i| i.split_once('@')) {
-        Some((repo, digest)) => vec![
-            format!("image.repository={repo}"),
-            format!("image.digest={digest}"),
-        ],
-        None => vec![
-            "image.repository=dspark/operator".into(),
-            "image.tag=dev".into(),
-        ],
+    let image = std::env::var("DSPARK_CHART_OPERATOR_IMAGE").unwrap_or_default();
+    let Some((image_repo, image_digest)) = image.split_once("@sha256:") else {
+        return skip(&format!(
+            "DSPARK_CHART_OPERATOR_IMAGE ({image:?}) is not an operator image by digest \
+             (make unit pushes one: scripts/images.sh push REGISTRY operator)"
+        ));
     };
-    eprintln!(
-        "operator from {}",
-        image
-            .as_deref()
-            .unwrap_or("the host binary (no DSPARK_CHART_OPERATOR_IMAGE)")
-    );
+    let image_values = [
+        format!("image.repository={image_repo}"),
+        format!("image.digest=sha256:{image_digest}"),
+    ];
+    eprintln!("operator from {image}");
     let t0 = Instant::now();
     let ns = format!("dspark-chart-{}", std::process::id());
     let release = "chart-test";
@@ -450,21 +430,15 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         std::fs::create_dir_all(&dir).unwrap();
         let log = std::fs::File::create(dir.join("kubelet.log")).unwrap();
         eprintln!("test kubelet log: {}", dir.join("kubelet.log").display());
-        let mut cmd = Command::new(&test_kubelet);
-        cmd.args([
-            "--node-selector",
-            "dspark.dev/chart-test=true",
-            "--state-dir",
-        ])
-        .arg(&dir);
-        match &image {
-            // The operator image from the registry, through runc.
-            Some(_) => cmd.args(["--image-runtime", "runc"]),
-            None => cmd
-                .arg("--binary")
-                .arg(format!("dspark-operator={}", operator.display())),
-        };
-        let child = cmd
+        let child = Command::new(&test_kubelet)
+            .args([
+                "--node-selector",
+                "dspark.dev/chart-test=true",
+                "--image-runtime",
+                "runc",
+                "--state-dir",
+            ])
+            .arg(&dir)
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
             .spawn()
@@ -551,13 +525,11 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
         };
         let ip = pod_field("{.status.podIP}");
         assert!(ip.starts_with("127."), "pod IP {ip} is not loopback");
-        if let Some(image) = &image {
-            let id = pod_field("{.status.containerStatuses[0].imageID}");
-            assert_eq!(
-                &id, image,
-                "the operator pod does not run from the pushed image"
-            );
-        }
+        assert_eq!(
+            pod_field("{.status.containerStatuses[0].imageID}"),
+            image,
+            "the operator pod does not run from the pushed image"
+        );
 
         // Its ClusterRole is enough to reconcile a DSparkDeployment (no engines: 0 replicas,
         // no profiling, no autoscaling). The weights are a volume: a remote source gets its

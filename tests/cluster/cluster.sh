@@ -7,7 +7,7 @@
 #   tests/cluster/cluster.sh down        stop everything `up` started; remove state
 #                                        (keep it with DSPARK_KEEP_STATE=1)
 #   tests/cluster/cluster.sh kubelet-up  start the test kubelet (tests/kubelet): it runs the pods of
-#                                        the fake nodes as local processes on loopback pod IPs;
+#                                        the fake nodes FROM their images (runc) on loopback pod IPs;
 #                                        labels the nodes dspark.dev/test-kubelet=true
 #   tests/cluster/cluster.sh kubelet-down  stop it (and every process it started), unlabel
 #   tests/cluster/cluster.sh status      health of each component
@@ -29,11 +29,8 @@
 #                         kubelet owns pods. Read by `up` only.
 #   DSPARK_TEST_KUBELET=1 `up` also runs `kubelet-up`.
 #   DSPARK_KUBELET_NODES  nodes the test kubelet plays (default: every fake GPU node)
-#   DSPARK_ENGINE_BIN, DSPARK_OPERATOR_BIN  binaries the test kubelet runs for the
-#                         dspark-engine / dspark-operator containers (default: the release
-#                         builds in $CARGO_TARGET_DIR, ~/.cache/dspark/cargo-target)
-#   DSPARK_KUBELET_IMAGE_RUNTIME  host (default) or runc/crun: containers run FROM their
-#                         images (pulled from a loopback registry) instead of host binaries
+#   DSPARK_KUBELET_IMAGE_RUNTIME  runc (default) or crun: the OCI runtime that runs each
+#                         container FROM its image (pulled from a loopback registry)
 #   DSPARK_TEST_KUBELET_BIN  a prebuilt test kubelet (default: build it in $CARGO_TARGET_DIR)
 #
 # Everything listens on 127.0.0.1 only; nothing is sent off the loopback network.
@@ -593,8 +590,6 @@ cmd_kubelet_up() {
   kill_pod_processes
   log "  starting $KUBELET"
   KUBECONFIG="$CLUSTER_DIR/kubeconfig" \
-    DSPARK_ENGINE_BIN="${DSPARK_ENGINE_BIN:-$tgt/release/dspark-engine}" \
-    DSPARK_OPERATOR_BIN="${DSPARK_OPERATOR_BIN:-$tgt/release/dspark-operator}" \
     setsid "$bin" --state-dir "$CLUSTER_DIR/kubelet" --node-selector "$KUBELET_LABEL=true" \
     >>"$CLUSTER_DIR/logs/$KUBELET.log" 2>&1 </dev/null &
   echo $! >"$(pidfile "$KUBELET")"

@@ -21,9 +21,9 @@
 # MODEL (default: $DSPARK_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf);
 # E2E_CONCURRENCY (default 12) load workers; E2E_SKIP_SCALING=1 stops after the table checks;
 # E2E_MODEL_SOURCE=hostPath serves MODEL from a hostPath instead of the loopback Hub;
-# E2E_IMAGE_RUNTIME (default runc): the test kubelet runs every container FROM its image
-# (operator and engine images built by scripts/images.sh, pushed to the registry on
-# loopback and referenced by digest) through runc; `host` maps images to host binaries.
+# E2E_IMAGE_RUNTIME (runc, the default, or crun): the OCI runtime with which the test kubelet
+# runs every container FROM its image (operator and engine images built by scripts/images.sh,
+# pushed to the registry on loopback and referenced by digest).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -132,20 +132,18 @@ eval "$("$CL" env)"
 "$CL" kubelet-down >/dev/null 2>&1 || true
 "$ROOT/tests/cluster/smoke.sh" >"$WORK/smoke.log" 2>&1 || { cat "$WORK/smoke.log"; die "cluster smoke test failed"; }
 mark "cluster up, smoke test passed; starting the test kubelet"
-if [ "$IMAGE_RUNTIME" != host ]; then
-  # The images of this tree, pushed to the CNCF registry on loopback; pods name them by digest.
-  "$ROOT/tests/registry/registry.sh" up >"$WORK/registry.log" 2>&1 || { cat "$WORK/registry.log"; die "the registry did not start"; }
-  REGISTRY_UP=1
-  REG="$("$ROOT/tests/registry/registry.sh" addr)"
-  DSPARK_IMAGES_OUT="$WORK/images" "$ROOT/scripts/images.sh" push "$REG" operator engine >"$WORK/images.log" 2>&1 ||
-    { tail -n 30 "$WORK/images.log"; die "building or pushing the images failed"; }
-  # shellcheck disable=SC1091
-  . "$WORK/images/digests.env"
-  [[ "$OPERATOR_IMAGE" == "$REG"/dspark/operator@sha256:* && "$ENGINE_IMAGE" == "$REG"/dspark/engine@sha256:* ]] ||
-    die "images not referenced by digest: $OPERATOR_IMAGE $ENGINE_IMAGE"
-  mark "images built and pushed to the loopback registry: $OPERATOR_IMAGE, $ENGINE_IMAGE"
-  export DSPARK_KUBELET_IMAGE_RUNTIME="$IMAGE_RUNTIME"
-fi
+# The images of this tree, pushed to the CNCF registry on loopback; pods name them by digest.
+"$ROOT/tests/registry/registry.sh" up >"$WORK/registry.log" 2>&1 || { cat "$WORK/registry.log"; die "the registry did not start"; }
+REGISTRY_UP=1
+REG="$("$ROOT/tests/registry/registry.sh" addr)"
+DSPARK_IMAGES_OUT="$WORK/images" "$ROOT/scripts/images.sh" push "$REG" operator engine >"$WORK/images.log" 2>&1 ||
+  { tail -n 30 "$WORK/images.log"; die "building or pushing the images failed"; }
+# shellcheck disable=SC1091
+. "$WORK/images/digests.env"
+[[ "$OPERATOR_IMAGE" == "$REG"/dspark/operator@sha256:* && "$ENGINE_IMAGE" == "$REG"/dspark/engine@sha256:* ]] ||
+  die "images not referenced by digest: $OPERATOR_IMAGE $ENGINE_IMAGE"
+mark "images built and pushed to the loopback registry: $OPERATOR_IMAGE, $ENGINE_IMAGE"
+export DSPARK_KUBELET_IMAGE_RUNTIME="$IMAGE_RUNTIME"
 "$CL" kubelet-up
 mark "test kubelet up (containers run by: $IMAGE_RUNTIME) on $(kubectl get nodes -l dspark.dev/test-kubelet=true -o name | wc -l) fake GPU nodes"
 
@@ -156,13 +154,9 @@ kubectl create namespace "$OPNS" >/dev/null
 CRD=dsparkdeployments.serving.dspark.dev
 CRD_BEFORE=0
 kubectl get crd "$CRD" >/dev/null 2>&1 && CRD_BEFORE=1
-if [ "$IMAGE_RUNTIME" = host ]; then
-  IMAGE_VALUES=(--set image.repository=dspark/operator --set image.tag=dev)
-else
-  # The previous chart has no image.digest: REPO:TAG@DIGEST (a runtime ignores the tag).
-  VERSION="$(awk -F'"' '/^version *=/ { print $2; exit }' "$ROOT/Cargo.toml")"
-  IMAGE_VALUES=(--set image.repository="${OPERATOR_IMAGE%@*}" --set-string image.tag="$VERSION@${OPERATOR_IMAGE#*@}")
-fi
+# The previous chart has no image.digest: REPO:TAG@DIGEST (a runtime ignores the tag).
+VERSION="$(awk -F'"' '/^version *=/ { print $2; exit }' "$ROOT/Cargo.toml")"
+IMAGE_VALUES=(--set image.repository="${OPERATOR_IMAGE%@*}" --set-string image.tag="$VERSION@${OPERATOR_IMAGE#*@}")
 HELM_VALUES=("${IMAGE_VALUES[@]}"
   --set-string 'nodeSelector.dspark\.dev/test-kubelet=true'
   --set 'tolerations[0].key=nvidia.com/gpu' --set 'tolerations[0].operator=Exists'
@@ -185,10 +179,8 @@ fi
 # --- the DSparkDeployment ------------------------------------------------------------------
 kubectl create namespace "$NS" >/dev/null
 sed "s|/var/lib/dspark/models/SmolLM2-135M-Instruct.Q4_1.gguf|$MODEL|" "$SAMPLE" >"$WORK/dsd.yaml"
-if [ "$IMAGE_RUNTIME" != host ]; then
-  sed -i "s|image: dspark/engine:dev|image: $ENGINE_IMAGE|" "$WORK/dsd.yaml"
-  grep -q "image: $ENGINE_IMAGE" "$WORK/dsd.yaml" || die "the sample's engine image was not replaced"
-fi
+sed -i "s|image: dspark/engine:dev|image: $ENGINE_IMAGE|" "$WORK/dsd.yaml"
+grep -q "image: $ENGINE_IMAGE" "$WORK/dsd.yaml" || die "the sample's engine image was not replaced"
 SOURCE="hostPath $MODEL"
 if [ "${E2E_MODEL_SOURCE:-huggingFace}" = huggingFace ]; then
   # The model from a Hub on loopback: the pods' fetch-model init containers download it into
@@ -385,12 +377,11 @@ else
 fi
 mark "network check: all sockets of the DSpark processes on loopback"
 
-if [ "$IMAGE_RUNTIME" != host ]; then
-  # The pods run FROM the images: their status names the pulled digests, and each engine is
-  # a container of the engine image, as uid 65532 on a read-only root.
-  kubectl get pods -n "$NS" -l "serving.dspark.dev/deployment=$DSD,app.kubernetes.io/component=engine" -o json >"$WORK/engine-pods.json"
-  kubectl get pods -n "$OPNS" -l app.kubernetes.io/component=operator -o json >"$WORK/operator-pods.json"
-  python3 - "$WORK" "$ENGINE_IMAGE" "$OPERATOR_IMAGE" <<'PY' || die "pods do not run the pushed images"
+# The pods run FROM the images: their status names the pulled digests, and each engine is
+# a container of the engine image, as uid 65532 on a read-only root.
+kubectl get pods -n "$NS" -l "serving.dspark.dev/deployment=$DSD,app.kubernetes.io/component=engine" -o json >"$WORK/engine-pods.json"
+kubectl get pods -n "$OPNS" -l app.kubernetes.io/component=operator -o json >"$WORK/operator-pods.json"
+python3 - "$WORK" "$ENGINE_IMAGE" "$OPERATOR_IMAGE" <<'PY' || die "pods do not run the pushed images"
 import json, sys
 w, engine, operator = sys.argv[1:]
 for f, want in (("engine-pods", engine), ("operator-pods", operator)):
@@ -400,17 +391,17 @@ for f, want in (("engine-pods", engine), ("operator-pods", operator)):
             assert c.get("containerID", "runc://").startswith("runc://"), c
 print(f"[e2e]   engine and operator containers report imageID {engine.split('@')[1][:19]}... / {operator.split('@')[1][:19]}...")
 PY
-  ENGINE_PID=""
-  for p in $(pgrep -x dspark-engine || true); do
-    in_container "$p" && { ENGINE_PID=$p; break; }
-  done
-  [ -n "$ENGINE_PID" ] || die "no engine process runs in a container"
-  [ "$(awk '/^Uid:/ { print $2 }' "/proc/$ENGINE_PID/status")" = 65532 ] || die "the engine container does not run as uid 65532"
-  grep -E '^[^ ]+ / ' "/proc/$ENGINE_PID/mounts" | grep -q '[ ,]ro[ ,]' || die "the engine container's root is not read-only"
-  mark "every engine and operator container runs from its image by digest (runc); an engine runs as uid 65532 on a read-only root"
+ENGINE_PID=""
+for p in $(pgrep -x dspark-engine || true); do
+  in_container "$p" && { ENGINE_PID=$p; break; }
+done
+[ -n "$ENGINE_PID" ] || die "no engine process runs in a container"
+[ "$(awk '/^Uid:/ { print $2 }' "/proc/$ENGINE_PID/status")" = 65532 ] || die "the engine container does not run as uid 65532"
+grep -E '^[^ ]+ / ' "/proc/$ENGINE_PID/mounts" | grep -q '[ ,]ro[ ,]' || die "the engine container's root is not read-only"
+mark "every engine and operator container runs from its image by digest (runc); an engine runs as uid 65532 on a read-only root"
 
-  # Pull failures and a missing entrypoint surface as a kubelet shows them.
-  cat >"$WORK/bad-pods.yaml" <<YAML
+# Pull failures and a missing entrypoint surface as a kubelet shows them.
+cat >"$WORK/bad-pods.yaml" <<YAML
 apiVersion: v1
 kind: Pod
 metadata: {name: e2e-no-such-image}
@@ -434,23 +425,22 @@ spec:
       image: $ENGINE_IMAGE
       command: ["/usr/local/bin/no-such-entrypoint"]
 YAML
-  kubectl apply -n "$NS" -f "$WORK/bad-pods.yaml" >/dev/null
-  waiting_reason() { kubectl get pod -n "$NS" e2e-no-such-image -o jsonpath='{.status.containerStatuses[0].state.waiting.reason}'; }
-  pull_failed() { [ "$(waiting_reason)" = ErrImagePull ]; }
-  pull_backoff() { [ "$(waiting_reason)" = ImagePullBackOff ]; }
-  wait_until 60 "e2e-no-such-image: ErrImagePull" pull_failed
-  PULL_MSG="$(kubectl get pod -n "$NS" e2e-no-such-image -o jsonpath='{.status.containerStatuses[0].state.waiting.message}')"
-  wait_until 60 "e2e-no-such-image: ImagePullBackOff" pull_backoff
-  start_error() {
-    [ "$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.containerStatuses[0].state.terminated.reason}')" = StartError ]
-  }
-  wait_until 90 "e2e-bad-entrypoint: StartError" start_error
-  START_MSG="$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.containerStatuses[0].state.terminated.message}')"
-  [[ "$START_MSG" == *no-such-entrypoint* ]] || die "e2e-bad-entrypoint: the termination message does not name the entrypoint: $START_MSG"
-  [ "$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.phase}')" = Failed ] || die "e2e-bad-entrypoint is not Failed"
-  kubectl delete pod -n "$NS" e2e-no-such-image e2e-bad-entrypoint --wait=true --timeout=60s >/dev/null
-  mark "an image that is not in the registry: ErrImagePull then ImagePullBackOff ($(echo "$PULL_MSG" | tail -c 160)); a missing entrypoint: StartError, exit 128 ($(echo "$START_MSG" | tail -c 160))"
-fi
+kubectl apply -n "$NS" -f "$WORK/bad-pods.yaml" >/dev/null
+waiting_reason() { kubectl get pod -n "$NS" e2e-no-such-image -o jsonpath='{.status.containerStatuses[0].state.waiting.reason}'; }
+pull_failed() { [ "$(waiting_reason)" = ErrImagePull ]; }
+pull_backoff() { [ "$(waiting_reason)" = ImagePullBackOff ]; }
+wait_until 60 "e2e-no-such-image: ErrImagePull" pull_failed
+PULL_MSG="$(kubectl get pod -n "$NS" e2e-no-such-image -o jsonpath='{.status.containerStatuses[0].state.waiting.message}')"
+wait_until 60 "e2e-no-such-image: ImagePullBackOff" pull_backoff
+start_error() {
+  [ "$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.containerStatuses[0].state.terminated.reason}')" = StartError ]
+}
+wait_until 90 "e2e-bad-entrypoint: StartError" start_error
+START_MSG="$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.containerStatuses[0].state.terminated.message}')"
+[[ "$START_MSG" == *no-such-entrypoint* ]] || die "e2e-bad-entrypoint: the termination message does not name the entrypoint: $START_MSG"
+[ "$(kubectl get pod -n "$NS" e2e-bad-entrypoint -o jsonpath='{.status.phase}')" = Failed ] || die "e2e-bad-entrypoint is not Failed"
+kubectl delete pod -n "$NS" e2e-no-such-image e2e-bad-entrypoint --wait=true --timeout=60s >/dev/null
+mark "an image that is not in the registry: ErrImagePull then ImagePullBackOff ($(echo "$PULL_MSG" | tail -c 160)); a missing entrypoint: StartError, exit 128 ($(echo "$START_MSG" | tail -c 160))"
 
 if [ "${E2E_SKIP_SCALING:-0}" != 1 ]; then
   # --- scale up under load, down after it ------------------------------------------------
@@ -505,8 +495,7 @@ LOAD_PID=$!
 load_ok() { python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d["ok"] >= int(sys.argv[2]) else 1)' "$WORK/upgrade-load.json" "$1"; }
 wait_until 60 "the load to get answers" load_ok 3
 mark "load on $(wc -l <"$WORK/targets") engines; helm upgrade to this tree's chart ($(awk '/^version:/ {print $2}' "$ROOT/charts/dspark-operator/Chart.yaml"))"
-UPGRADE_VALUES=()
-[ "$IMAGE_RUNTIME" = host ] || UPGRADE_VALUES=(--set-string image.tag= --set-string image.digest="${OPERATOR_IMAGE#*@}")
+UPGRADE_VALUES=(--set-string image.tag= --set-string image.digest="${OPERATOR_IMAGE#*@}")
 helm upgrade "$RELEASE" "$ROOT/charts/dspark-operator" -n "$OPNS" --wait --timeout 120s \
   "${HELM_VALUES[@]}" "${UPGRADE_VALUES[@]}" >"$WORK/helm-upgrade.log" || { cat "$WORK/helm-upgrade.log"; die "helm upgrade failed"; }
 new_leader() { local h; h="$(leader)"; [ -n "$h" ] && [ "$h" != "$OPPOD" ]; }
@@ -620,10 +609,6 @@ PY
   kill "$S3_PID" 2>/dev/null || true
   wait "$S3_PID" 2>/dev/null || true
   S3_PID=""
-  if [ "$IMAGE_RUNTIME" = host ]; then
-    "$ROOT/tests/registry/registry.sh" down >/dev/null 2>&1 || true
-    REGISTRY_UP=0
-  fi
 fi
 
 # --- deletion ------------------------------------------------------------------------------
@@ -635,16 +620,11 @@ all_gone() {
   [ -z "$left" ]
 }
 wait_until 120 "everything the DSparkDeployment owned to be removed" all_gone
-# Host processes run by the kubelet work in their pod's directory; containers have their
-# own mount namespace (and no other engine container runs by now).
+# Containers have their own mount namespace (and no other engine container runs by now).
 ns_processes() {
   local p
   for p in $(pgrep -f dspark-engine || true); do
-    if [ "$IMAGE_RUNTIME" = host ]; then
-      readlink "/proc/$p/cwd" 2>/dev/null | grep -q "/kubelet/pods/${NS}_" && echo "$p"
-    else
-      in_container "$p" && echo "$p"
-    fi
+    in_container "$p" && echo "$p"
   done
   return 0
 }

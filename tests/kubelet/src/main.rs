@@ -5,11 +5,9 @@
 //! codes and termination messages). Deleting a pod stops its processes and removes it.
 //!
 //! kwok keeps playing the nodes (heartbeats); it must not play pods (no pod stages).
-//! With `--image-runtime runc` containers run FROM their images: pulled by digest from a
-//! loopback registry, unpacked, and run by the OCI runtime with the pod's command, env, user,
-//! mounts and read-only root (module `oci`). With `host` (the default) images are not pulled:
-//! a container's program is a mapped binary (`--binary dspark-engine=PATH`, matched by
-//! command or image name) or an allowed host command.
+//! Containers run FROM their images: pulled by digest from a loopback registry, unpacked, and
+//! run by an OCI runtime (`--image-runtime runc|crun`) with the pod's command, env, user,
+//! mounts and read-only root (module `oci`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -39,7 +37,7 @@ use pod::{Shared, Stop};
 #[derive(Parser, Debug)]
 #[command(
     name = "dspark-test-kubelet",
-    about = "Runs the pods of selected fake nodes as local processes on loopback IPs"
+    about = "Runs the pods of selected fake nodes as containers FROM their images (runc) on loopback IPs"
 )]
 struct Args {
     /// Label selector of the nodes this kubelet plays.
@@ -52,34 +50,16 @@ struct Args {
         default_value = "/tmp/dspark-cluster/kubelet"
     )]
     state_dir: PathBuf,
-    /// NAME=PATH: run PATH for containers whose command (or, without a command, whose image
-    /// base name, also without a `dspark-` prefix) is NAME. Defaults: dspark-engine from
-    /// $DSPARK_ENGINE_BIN, dspark-operator from $DSPARK_OPERATOR_BIN.
-    #[arg(long = "binary", value_parser = parse_kv)]
-    binaries: Vec<(String, String)>,
-    /// Host commands a container may run by name (looked up on PATH).
-    #[arg(
-        long = "allow-host-command",
-        default_values_t = ["wget", "curl", "sh", "true", "false", "sleep", "echo", "cat"].map(String::from)
-    )]
-    allowed_host: Vec<String>,
     /// Host environment variables passed to every container (when set).
     #[arg(long = "pass-env", default_values_t = ["RUST_BACKTRACE"].map(String::from))]
     pass_env: Vec<String>,
     /// Longest grace period honoured on deletion, seconds.
     #[arg(long, default_value_t = 30)]
     max_grace_seconds: i64,
-    /// How containers run: `host` (mapped binaries and allowed host commands) or an OCI
-    /// runtime, `runc` or `crun`, running each container FROM its image.
-    #[arg(long, env = "DSPARK_KUBELET_IMAGE_RUNTIME", default_value = "host",
-          value_parser = ["host", "runc", "crun"])]
+    /// The OCI runtime that runs each container FROM its image: `runc` or `crun`.
+    #[arg(long, env = "DSPARK_KUBELET_IMAGE_RUNTIME", default_value = "runc",
+          value_parser = ["runc", "crun"])]
     image_runtime: String,
-}
-
-fn parse_kv(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .ok_or_else(|| format!("expected NAME=PATH, got {s:?}"))
 }
 
 /// A pod this kubelet runs.
@@ -122,42 +102,28 @@ async fn main() -> anyhow::Result<()> {
         .context("no Kubernetes configuration (KUBECONFIG)")?;
     let apiserver_url = config.cluster_url.to_string();
     let client = Client::try_from(config)?;
-    let mut binaries: BTreeMap<String, String> = BTreeMap::new();
-    for (name, var) in [
-        ("dspark-engine", "DSPARK_ENGINE_BIN"),
-        ("dspark-operator", "DSPARK_OPERATOR_BIN"),
-    ] {
-        if let Ok(p) = std::env::var(var) {
-            binaries.insert(name.into(), p);
-        }
-    }
-    binaries.extend(args.binaries.iter().cloned());
     std::fs::create_dir_all(args.state_dir.join("pods"))?;
-    let oci = (args.image_runtime != "host").then(|| oci::Runtime {
+    let oci = oci::Runtime {
         program: args.image_runtime.clone(),
         root: args.state_dir.join("runtime"),
         images: args.state_dir.join("images"),
-    });
-    if let Some(rt) = &oci {
-        for t in [rt.program.as_str(), "skopeo", "umoci"] {
-            let found = std::process::Command::new(t)
-                .arg("--version")
-                .output()
-                .is_ok_and(|o| o.status.success());
-            anyhow::ensure!(
-                found,
-                "--image-runtime {}: {t} is not installed",
-                rt.program
-            );
-        }
-        std::fs::create_dir_all(&rt.root)?;
-        std::fs::create_dir_all(&rt.images)?;
+    };
+    for t in [oci.program.as_str(), "skopeo", "umoci"] {
+        let found = std::process::Command::new(t)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        anyhow::ensure!(
+            found,
+            "--image-runtime {}: {t} is not installed (apt-get install runc skopeo umoci)",
+            oci.program
+        );
     }
-    info!(selector = %args.node_selector, ?binaries, runtime = %args.image_runtime, dir = %args.state_dir.display(), "test kubelet starting");
+    std::fs::create_dir_all(&oci.root)?;
+    std::fs::create_dir_all(&oci.images)?;
+    info!(selector = %args.node_selector, runtime = %args.image_runtime, dir = %args.state_dir.display(), "test kubelet starting");
     let shared = Arc::new(Shared {
         client: client.clone(),
-        binaries,
-        allowed_host: args.allowed_host.iter().cloned().collect::<BTreeSet<_>>(),
         state_dir: args.state_dir.clone(),
         apiserver_url,
         max_grace: args.max_grace_seconds,

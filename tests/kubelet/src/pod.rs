@@ -1,10 +1,9 @@
-//! One pod: its volumes materialised under a per-pod directory, one supervised process per
-//! container (a mapped host binary, or with `--image-runtime runc` the container's image run by
-//! the OCI runtime, see `oci`), HTTP/TCP probes against the pod's loopback IP, and the pod
+//! One pod: its volumes materialised under a per-pod directory, one supervised container per
+//! container of the spec (its image run by the OCI runtime, see `oci`), HTTP/TCP probes against the pod's loopback IP, and the pod
 //! status written back to the apiserver. Deletion stops the processes (SIGTERM, SIGKILL after
 //! the grace period) and removes the pod (grace 0).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
@@ -30,7 +29,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::oci::{self, Bind, OciRun, PullError};
-use crate::rewrite::{self, PathMap};
+use crate::rewrite;
 
 /// Where the service-account token is mounted in containers.
 pub const SA_MOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
@@ -40,15 +39,13 @@ const KUBECONFIG_MOUNT: &str = "/var/run/dspark-test-kubelet/kubeconfig";
 /// Settings shared by every pod.
 pub struct Shared {
     pub client: Client,
-    pub binaries: BTreeMap<String, String>,
-    pub allowed_host: BTreeSet<String>,
     pub state_dir: PathBuf,
     /// The apiserver URL given to pods (kubeconfig) and its host/port (in-cluster env).
     pub apiserver_url: String,
     pub max_grace: i64,
     pub pass_env: Vec<String>,
-    /// Run containers from their images with this OCI runtime (else: mapped host binaries).
-    pub oci: Option<oci::Runtime>,
+    /// Runs every container from its image.
+    pub oci: oci::Runtime,
 }
 
 /// Why a pod's processes must stop.
@@ -428,8 +425,8 @@ struct ContainerRun {
     liveness: Option<Probe>,
     pgid_dir: PathBuf,
     max_grace: i64,
-    /// Under the OCI runtime: the container (its `program` is the runtime).
-    oci: Option<OciRun>,
+    /// The container (its `program` is the OCI runtime).
+    oci: OciRun,
     /// What the status reports as `imageID`.
     image_id: String,
 }
@@ -858,25 +855,23 @@ async fn prepare(
     let spec = pod.spec.clone().unwrap_or_default();
     std::fs::create_dir_all(dir.join("home"))?;
     let vols = volumes(client, pod, dir, ip, host_ip).await?;
-    if shared.oci.is_some() {
-        // Containers run as their users now: the pod's own volumes are group-owned by
-        // `fsGroup` (as a kubelet's volume ownership management does); emptyDirs are 0777.
-        let fs_group = spec.security_context.as_ref().and_then(|s| s.fs_group);
-        for v in spec.volumes.iter().flatten() {
-            let Some(path) = vols.get(&v.name) else {
-                continue;
-            };
-            if v.empty_dir.is_some() {
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))?;
-            }
-            let own = v.empty_dir.is_some()
-                || v.config_map.is_some()
-                || v.secret.is_some()
-                || v.projected.is_some()
-                || v.downward_api.is_some();
-            if let (true, Some(g)) = (own, fs_group) {
-                chown_tree(path, u32::try_from(g).unwrap_or(0))?;
-            }
+    // Containers run as their users: the pod's own volumes are group-owned by `fsGroup` (as a
+    // kubelet's volume ownership management does); emptyDirs are 0777.
+    let fs_group = spec.security_context.as_ref().and_then(|s| s.fs_group);
+    for v in spec.volumes.iter().flatten() {
+        let Some(path) = vols.get(&v.name) else {
+            continue;
+        };
+        if v.empty_dir.is_some() {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o777))?;
+        }
+        let own = v.empty_dir.is_some()
+            || v.config_map.is_some()
+            || v.secret.is_some()
+            || v.projected.is_some()
+            || v.downward_api.is_some();
+        if let (true, Some(g)) = (own, fs_group) {
+            chown_tree(path, u32::try_from(g).unwrap_or(0))?;
         }
     }
     let api_url = shared.apiserver_url.trim_end_matches('/');
@@ -924,14 +919,10 @@ async fn prepare_container(
 ) -> anyhow::Result<ContainerRun> {
     let client = &shared.client;
     let image_ref = c.image.clone().unwrap_or_default();
-    // Under the OCI runtime the image is pulled first: its env, user and entrypoint count.
-    let image = match &shared.oci {
-        Some(rt) => Some(oci::pull(&image_ref, &rt.images).await?),
-        None => None,
-    };
-    // Host processes see the volumes at their host paths (arguments and env values are
-    // rewritten); containers see them bind-mounted at their mount paths.
-    let mut paths = PathMap::default();
+    // The image is pulled first: its env, user and entrypoint count.
+    let rt = &shared.oci;
+    let img = oci::pull(&image_ref, &rt.images).await?;
+    // Containers see the volumes bind-mounted at their mount paths.
     let mut binds = Vec::new();
     let mut sa_dir = None;
     for m in c.volume_mounts.iter().flatten() {
@@ -942,9 +933,6 @@ async fn prepare_container(
             Some(sub) => base.join(sub),
             None => base.clone(),
         };
-        if image.is_none() {
-            paths.add(&m.mount_path, &host.to_string_lossy());
-        }
         binds.push(Bind {
             destination: m.mount_path.clone(),
             source: host.clone(),
@@ -959,17 +947,14 @@ async fn prepare_container(
         .termination_message_path
         .clone()
         .unwrap_or_else(|| "/dev/termination-log".into());
-    if image.is_none() {
-        paths.add(&term_path, &term_file.to_string_lossy());
-    }
     binds.push(Bind {
         destination: term_path,
         source: term_file.clone(),
         readonly: false,
     });
 
-    // Environment: a clean one (the kubelet's own credentials never leak into pods); under
-    // the runtime the image's variables come first.
+    // Environment: a clean one (the kubelet's own credentials never leak into pods), the
+    // image's variables first.
     let mut env: BTreeMap<String, String> = BTreeMap::new();
     let mut order: Vec<String> = Vec::new();
     let mut set = |env: &mut BTreeMap<String, String>, k: &str, v: String| {
@@ -978,29 +963,17 @@ async fn prepare_container(
         }
         env.insert(k.to_string(), v);
     };
-    match &image {
-        None => {
-            set(
-                &mut env,
-                "PATH",
-                std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into()),
-            );
-            set(&mut env, "HOME", dir.join("home").to_string_lossy().into());
-        }
-        Some(img) => {
-            set(
-                &mut env,
-                "PATH",
-                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-            );
-            for l in img.config.env.iter().flatten() {
-                let (k, v) = l.split_once('=').unwrap_or((l, ""));
-                set(&mut env, k, v.to_string());
-            }
-            if !env.contains_key("HOME") {
-                set(&mut env, "HOME", "/".into());
-            }
-        }
+    set(
+        &mut env,
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+    );
+    for l in img.config.env.iter().flatten() {
+        let (k, v) = l.split_once('=').unwrap_or((l, ""));
+        set(&mut env, k, v.to_string());
+    }
+    if !env.contains_key("HOME") {
+        set(&mut env, "HOME", "/".into());
     }
     set(&mut env, "HOSTNAME", pod.name_any());
     set(&mut env, "KUBERNETES_SERVICE_HOST", api_host.to_string());
@@ -1010,19 +983,15 @@ async fn prepare_container(
             set(&mut env, k, v);
         }
     }
-    if let Some(sa) = &sa_dir {
+    if sa_dir.is_some() {
         // kube clients read in-cluster credentials from a fixed path and a Service address
         // that does not exist here; give them a kubeconfig with the pod's own ServiceAccount
         // token instead (so RBAC is really exercised).
         let kc = dir.join(format!("{}.kubeconfig", c.name));
-        let (ca, token, at) = match &image {
-            None => (sa.join("ca.crt"), sa.join("token"), kc.clone()),
-            Some(_) => (
-                Path::new(SA_MOUNT).join("ca.crt"),
-                Path::new(SA_MOUNT).join("token"),
-                PathBuf::from(KUBECONFIG_MOUNT),
-            ),
-        };
+        let (ca, token) = (
+            Path::new(SA_MOUNT).join("ca.crt"),
+            Path::new(SA_MOUNT).join("token"),
+        );
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {api_url}\n    certificate-authority: {ca}\nusers:\n- name: u\n  user:\n    tokenFile: {token}\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n    namespace: {ns}\ncurrent-context: c\n",
             ca = ca.display(),
@@ -1034,7 +1003,7 @@ async fn prepare_container(
             source: kc,
             readonly: true,
         });
-        set(&mut env, "KUBECONFIG", at.to_string_lossy().into());
+        set(&mut env, "KUBECONFIG", KUBECONFIG_MOUNT.into());
     }
     // envFrom first (each key of the Secret / ConfigMap, with the prefix), then env, which
     // wins on a clash: the kubelet's order.
@@ -1079,41 +1048,19 @@ async fn prepare_container(
         } else {
             String::new()
         };
-        let value = rewrite::bind_to_pod_ip(&paths.map_arg(&value), &ip.to_string());
+        let value = rewrite::bind_to_pod_ip(&value, &ip.to_string());
         set(&mut env, &e.name, value);
     }
     let env: Vec<(String, String)> = order.iter().map(|k| (k.clone(), env[k].clone())).collect();
 
-    // The command line: a mapped host binary and the rest of `command` + `args`, or the
-    // Kubernetes rule over the image's entrypoint and cmd.
-    let command = c.command.clone().unwrap_or_default();
-    let (program, raw_args) = match &image {
-        None => (
-            rewrite::resolve_program(
-                command.first().map(String::as_str),
-                &image_ref,
-                &shared.binaries,
-                &shared.allowed_host,
-            )
-            .map_err(|e| anyhow!(e))?,
-            command
-                .iter()
-                .skip(1)
-                .chain(c.args.iter().flatten())
-                .cloned()
-                .collect::<Vec<_>>(),
-        ),
-        Some(img) => (
-            String::new(),
-            oci::process_args(&img.config, c.command.as_deref(), c.args.as_deref())?,
-        ),
-    };
+    // The command line: the Kubernetes rule over the image's entrypoint and cmd.
+    let raw_args = oci::process_args(&img.config, c.command.as_deref(), c.args.as_deref())?;
     let env_map: BTreeMap<String, String> = env.iter().cloned().collect();
     let mut args = Vec::new();
     for a in &raw_args {
         let a = rewrite::expand(a, &env_map);
         let a = resolve_services(client, &a).await?;
-        let a = rewrite::bind_to_pod_ip(&paths.map_arg(&a), &ip.to_string());
+        let a = rewrite::bind_to_pod_ip(&a, &ip.to_string());
         if let Some(host) = rewrite::non_loopback_url(&a) {
             bail!("argument {a:?} names {host}, which is not a loopback address");
         }
@@ -1125,33 +1072,6 @@ async fn prepare_container(
         .flatten()
         .filter_map(|p| Some((p.name.clone()?, p.container_port)))
         .collect();
-    let mut run = ContainerRun {
-        name: c.name.clone(),
-        image: image_ref.clone(),
-        image_id: String::new(),
-        program,
-        args,
-        env,
-        cwd: dir.to_path_buf(),
-        log: dir.join(format!("{}.log", c.name)),
-        termination_file: term_file,
-        fallback_to_logs: c.termination_message_policy.as_deref() == Some("FallbackToLogsOnError"),
-        ports,
-        startup: c.startup_probe.clone(),
-        readiness: c.readiness_probe.clone(),
-        liveness: c.liveness_probe.clone(),
-        oci: None,
-        // Filled in by run_pod.
-        idx: 0,
-        restart_policy: String::new(),
-        ip,
-        pgid_dir: PathBuf::new(),
-        max_grace: 0,
-    };
-    let (Some(rt), Some(img)) = (&shared.oci, &image) else {
-        run.image_id = format!("local://{}", run.program);
-        return Ok(run);
-    };
     // The container's bundle: config.json from the pod spec over umoci's config for the image.
     let pod_sc = pod.spec.as_ref().and_then(|s| s.security_context.clone());
     let sc = c.security_context.clone().unwrap_or_default();
@@ -1188,7 +1108,7 @@ async fn prepare_container(
     let rootfs = if readonly_root {
         img.rootfs.clone()
     } else {
-        oci::private_rootfs(img, &bundle).await?
+        oci::private_rootfs(&img, &bundle).await?
     };
     let caps = sc.capabilities.as_ref().map(|k| {
         let defaults: Vec<String> = img.base["process"]["capabilities"]["bounding"]
@@ -1204,8 +1124,8 @@ async fn prepare_container(
         )
     });
     let spec = oci::RunSpec {
-        args: run.args.clone(),
-        env: run.env.clone(),
+        args,
+        env,
         cwd: c
             .working_dir
             .clone()
@@ -1229,16 +1149,33 @@ async fn prepare_container(
         id: oci::container_id(&pod.uid().unwrap_or_default(), &c.name),
         bundle,
     };
-    run.program = rt.program.clone();
-    run.args = o.run_args();
-    // The runtime itself gets the kubelet's PATH only; the container's env is in the bundle.
-    run.env = vec![(
-        "PATH".into(),
-        std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
-    )];
-    run.image_id = img.pinned.clone();
-    run.oci = Some(o);
-    Ok(run)
+    Ok(ContainerRun {
+        name: c.name.clone(),
+        image: image_ref.clone(),
+        image_id: img.pinned.clone(),
+        program: rt.program.clone(),
+        args: o.run_args(),
+        // The runtime itself gets the kubelet's PATH only; the container's env is in the bundle.
+        env: vec![(
+            "PATH".into(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+        )],
+        cwd: dir.to_path_buf(),
+        log: dir.join(format!("{}.log", c.name)),
+        termination_file: term_file,
+        fallback_to_logs: c.termination_message_policy.as_deref() == Some("FallbackToLogsOnError"),
+        ports,
+        startup: c.startup_probe.clone(),
+        readiness: c.readiness_probe.clone(),
+        liveness: c.liveness_probe.clone(),
+        oci: o,
+        // Filled in by run_pod.
+        idx: 0,
+        restart_policy: String::new(),
+        ip,
+        pgid_dir: PathBuf::new(),
+        max_grace: 0,
+    })
 }
 
 /// One probe's bookkeeping.
@@ -1321,13 +1258,11 @@ async fn probe_once(p: &Probe, ip: Ipv4Addr, ports: &BTreeMap<String, i32>) -> b
     matches!(tokio::time::timeout(timeout, fut).await, Ok(Some(true)))
 }
 
-/// Signals a container: through the OCI runtime (its init process; a SIGKILL ends its PID
-/// namespace), or its host process group.
-fn signal(c: &ContainerRun, pgid: i32, sig: i32) {
-    match &c.oci {
-        Some(o) => o.signal(if sig == libc::SIGKILL { "KILL" } else { "TERM" }),
-        None => signal_group(pgid, sig),
-    }
+/// Signals a container through the OCI runtime (its init process; a SIGKILL ends its PID
+/// namespace).
+fn signal(c: &ContainerRun, sig: i32) {
+    c.oci
+        .signal(if sig == libc::SIGKILL { "KILL" } else { "TERM" });
 }
 
 fn signal_group(pgid: i32, sig: i32) {
@@ -1354,9 +1289,7 @@ async fn supervise(
         let _ = std::fs::write(&c.termination_file, b"");
         let _ =
             std::fs::set_permissions(&c.termination_file, std::fs::Permissions::from_mode(0o666));
-        if let Some(o) = &c.oci {
-            o.delete(); // the state of a previous run of this container, if any
-        }
+        c.oci.delete(); // the state of a previous run of this container, if any
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -1400,10 +1333,7 @@ async fn supervise(
                 let report = |status: &mut ContainerStatus, started: bool, ready: bool| {
                     status.started = Some(started);
                     status.ready = ready;
-                    status.container_id = Some(match &c.oci {
-                        Some(o) => format!("runc://{}", o.id),
-                        None => format!("local://{pgid}"),
-                    });
+                    status.container_id = Some(format!("runc://{}", c.oci.id));
                     status.state = Some(ContainerState {
                         running: Some(ContainerStateRunning {
                             started_at: Some(started_at.clone()),
@@ -1434,11 +1364,11 @@ async fn supervise(
                                     Stop::Shutdown => 5,
                                 };
                                 stopped = true;
-                                signal(&c, pgid, libc::SIGTERM);
+                                signal(&c, libc::SIGTERM);
                                 match tokio::time::timeout(Duration::from_secs(grace as u64), child.wait()).await {
                                     Ok(r) => break r.ok(),
                                     Err(_) => {
-                                        signal(&c, pgid, libc::SIGKILL);
+                                        signal(&c, libc::SIGKILL);
                                         break child.wait().await.ok();
                                     }
                                 }
@@ -1478,9 +1408,9 @@ async fn supervise(
                             }
                             if let Some(which) = killed_by_probe {
                                 warn!(container = %c.name, "{which} probe failed; restarting");
-                                signal(&c, pgid, libc::SIGTERM);
+                                signal(&c, libc::SIGTERM);
                                 if tokio::time::timeout(Duration::from_secs(5), child.wait()).await.is_err() {
-                                    signal(&c, pgid, libc::SIGKILL);
+                                    signal(&c, libc::SIGKILL);
                                 }
                                 break child.wait().await.ok();
                             }
@@ -1494,12 +1424,10 @@ async fn supervise(
                 // Leftover children of the container die with it.
                 signal_group(pgid, libc::SIGKILL);
                 let _ = std::fs::remove_file(&pgid_file);
-                // Under the runtime, no pid file means the container's process never started
-                // (a missing entrypoint, a mount that failed): the runtime said why.
-                let never_started = c.oci.as_ref().is_some_and(|o| !o.pid_file().exists());
-                if let Some(o) = &c.oci {
-                    o.delete();
-                }
+                // No pid file means the container's process never started (a missing
+                // entrypoint, a mount that failed): the runtime said why.
+                let never_started = !c.oci.pid_file().exists();
+                c.oci.delete();
                 use std::os::unix::process::ExitStatusExt;
                 let code = exit
                     .map(|s| s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(9)))

@@ -1,103 +1,9 @@
-//! Pure helpers: how a container's command line, paths and addresses are translated for a
-//! local process (mount paths to host paths, `0.0.0.0` to the pod IP, `$(VAR)` expansion),
-//! loopback pod-IP allocation and HTTP probe answers.
+//! Pure helpers: how a container's command line and addresses are translated (`0.0.0.0` to
+//! the pod IP, `$(VAR)` expansion, Service names to pod IPs), loopback pod-IP allocation and
+//! HTTP probe answers.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
-
-/// The image's base name: `registry:5000/dspark/engine:0.1.0@sha256:..` -> `engine`.
-pub fn image_base(image: &str) -> &str {
-    let no_digest = image.split('@').next().unwrap_or(image);
-    let last = no_digest.rsplit('/').next().unwrap_or(no_digest);
-    last.split(':').next().unwrap_or(last)
-}
-
-/// Resolves the program of a container: its `command[0]`, or (without a command) the
-/// image's entrypoint, looked up by base name in `binaries` (`dspark-engine` also matches
-/// an image called `engine` of any repository, e.g. `dspark/engine`).
-pub fn resolve_program(
-    command: Option<&str>,
-    image: &str,
-    binaries: &BTreeMap<String, String>,
-    allowed_host: &BTreeSet<String>,
-) -> Result<String, String> {
-    let lookup = |name: &str| -> Option<String> {
-        binaries
-            .get(name)
-            .or_else(|| binaries.get(&format!("dspark-{name}")))
-            .cloned()
-    };
-    match command {
-        Some(c) => {
-            let base = c.rsplit('/').next().unwrap_or(c);
-            if let Some(p) = lookup(base) {
-                return Ok(p);
-            }
-            if allowed_host.contains(base) {
-                return Ok(base.to_string());
-            }
-            Err(format!(
-                "command {c:?} is neither a mapped binary ({}) nor an allowed host command ({})",
-                binaries.keys().cloned().collect::<Vec<_>>().join(", "),
-                allowed_host.iter().cloned().collect::<Vec<_>>().join(", ")
-            ))
-        }
-        None => lookup(image_base(image)).ok_or_else(|| {
-            format!(
-                "image {image:?} has no command and no mapped entrypoint (mapped: {})",
-                binaries.keys().cloned().collect::<Vec<_>>().join(", ")
-            )
-        }),
-    }
-}
-
-/// Container paths -> host paths, longest container path first.
-#[derive(Debug, Default, Clone)]
-pub struct PathMap {
-    entries: Vec<(String, String)>,
-}
-
-impl PathMap {
-    pub fn add(&mut self, container: &str, host: &str) {
-        let c = container.trim_end_matches('/');
-        let c = if c.is_empty() { "/" } else { c };
-        self.entries.retain(|(k, _)| k != c);
-        self.entries.push((c.to_string(), host.to_string()));
-        self.entries.sort_by_key(|e| std::cmp::Reverse(e.0.len()));
-    }
-
-    /// Maps an argument: a path, `--flag=path`, or paths inside a longer string (a shell
-    /// script) where they start a word and end at a word boundary or a `/`.
-    pub fn map_arg(&self, a: &str) -> String {
-        let before = |c: char| " =:'\"(,;\t\n".contains(c);
-        let after = |c: char| "/ '\"),;:\t\n".contains(c);
-        let mut out = String::with_capacity(a.len());
-        let mut i = 0;
-        let mut prev: Option<char> = None;
-        'scan: while i < a.len() {
-            if prev.is_none_or(before) {
-                for (c, h) in &self.entries {
-                    if c == "/" {
-                        continue;
-                    }
-                    if let Some(rest) = a[i..].strip_prefix(c.as_str()) {
-                        if rest.chars().next().is_none_or(after) {
-                            out.push_str(h.trim_end_matches('/'));
-                            i += c.len();
-                            prev = c.chars().last();
-                            continue 'scan;
-                        }
-                    }
-                }
-            }
-            let ch = a[i..].chars().next().unwrap_or(' ');
-            out.push(ch);
-            prev = Some(ch);
-            i += ch.len_utf8();
-        }
-        out
-    }
-}
 
 /// Replaces the wildcard bind address `0.0.0.0` (and `[::]`) with the pod IP, so that every
 /// pod listens on its own loopback address.
@@ -238,56 +144,6 @@ pub fn http_status(head: &str) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn programs_come_from_the_command_or_the_image() {
-        let bins = BTreeMap::from([
-            ("dspark-engine".to_string(), "/b/dspark-engine".to_string()),
-            (
-                "dspark-operator".to_string(),
-                "/b/dspark-operator".to_string(),
-            ),
-        ]);
-        let host = BTreeSet::from(["wget".to_string()]);
-        assert_eq!(
-            image_base("reg:5000/dspark/engine:0.1.0@sha256:ab"),
-            "engine"
-        );
-        assert_eq!(
-            resolve_program(Some("dspark-engine"), "x", &bins, &host).unwrap(),
-            "/b/dspark-engine"
-        );
-        assert_eq!(
-            resolve_program(Some("/usr/bin/wget"), "busybox:1.37", &bins, &host).unwrap(),
-            "wget"
-        );
-        assert_eq!(
-            resolve_program(None, "dspark/operator:0.1.0", &bins, &host).unwrap(),
-            "/b/dspark-operator"
-        );
-        assert!(resolve_program(Some("rm"), "x", &bins, &host).is_err());
-        assert!(resolve_program(None, "nginx", &bins, &host).is_err());
-    }
-
-    #[test]
-    fn paths_map_longest_mount_first() {
-        let mut m = PathMap::default();
-        m.add("/etc/dspark", "/h/a");
-        m.add("/etc/dspark/cost-table/", "/h/ct");
-        m.add("/dev/termination-log", "/h/term");
-        assert_eq!(m.map_arg("/etc/dspark/cost-table/t.json"), "/h/ct/t.json");
-        assert_eq!(m.map_arg("/etc/dspark/admin/token"), "/h/a/admin/token");
-        assert_eq!(
-            m.map_arg("--output=/dev/termination-log"),
-            "--output=/h/term"
-        );
-        assert_eq!(m.map_arg("/etc/dsparkx"), "/etc/dsparkx");
-        assert_eq!(m.map_arg("serve"), "serve");
-        assert_eq!(
-            m.map_arg("echo x > /dev/termination-log; cat /etc/dspark/cost-table/a"),
-            "echo x > /h/term; cat /h/ct/a"
-        );
-    }
 
     #[test]
     fn binds_expands_and_finds_services() {
