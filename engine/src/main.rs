@@ -562,12 +562,13 @@ fn profile(a: ProfileArgs) -> Result<()> {
     );
     let points = measure(&model, &mut kv, &opts, &mut |p| {
         eprintln!(
-            "  B={:>3}  {:>8.2} steps/s  {:>8.1} tokens/s  (+-{:.1}%, {} reps)",
+            "  B={:>3}  {:>8.2} steps/s  {:>8.1} tokens/s  (+-{:.1}%, {} reps, {} dropped: pool serial)",
             p.b,
             1.0 / p.seconds,
             p.b as f64 / p.seconds,
             p.rel_err * 100.0,
-            p.reps
+            p.reps,
+            p.dropped
         )
     })?;
     let mut draft_points = Vec::new();
