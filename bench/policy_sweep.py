@@ -59,7 +59,37 @@ def policy_args(spec: str, gamma_max: int, speculation: str) -> tuple[str, list[
     raise SystemExit(f"policy_sweep: unknown policy {spec!r} (none, fixed:G, threshold:T, dspark)")
 
 
-def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> list[dict]:
+def level_length(args, streams: int) -> list[str]:
+    """loadgen's length of one level: a request count, max(streams x --requests-per-stream,
+    --min-requests), when either is set, else `--duration`. A count gives every policy the
+    very same prompts (the seeded cycle, taken in order), so their ratio is not the noise
+    of different prompt mixes (natural lengths differ by prompt)."""
+    n = max(streams * args.requests_per_stream, args.min_requests)
+    if n:
+        return ["--requests", str(n)]
+    return ["--duration", str(args.duration)]
+
+
+def merge_prompts(paths: str, out: Path) -> Path:
+    """One prompt file from a comma-separated list (a held-out set in several files)."""
+    files = [Path(x.strip()) for x in paths.split(",") if x.strip()]
+    if len(files) == 1:
+        return files[0]
+    merged = out / "prompts.jsonl"
+    lines = []
+    for f in files:
+        lines += [ln for ln in f.read_text().splitlines() if ln.strip()]
+    merged.write_text("\n".join(lines) + "\n")
+    return merged
+
+
+def start_busy(cores: int) -> list[subprocess.Popen]:
+    """`cores` processes that each keep one core busy (the shared-CPU condition)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
+
+
+def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int,
+              prompts: Path) -> list[dict]:
     """Starts an engine with policy `spec`, runs one closed-loop level, stops it."""
     label, pargs = policy_args(spec, args.gamma_max, args.speculation)
     url = f"http://127.0.0.1:{args.port}"
@@ -76,10 +106,10 @@ def run_level(args, table: str, spec: str, level: str, out: Path, rnd: int) -> l
         wait_ready(f"{url}/ready", proc, what="policy_sweep: engine")
         jpath = out / f"loadgen-{tag}.json"
         lg = [sys.executable, str(REPO / "bench" / "loadgen.py"), "--url", url,
-              "--model", "bench", "--concurrency", level,
-              "--duration", str(args.duration), "--max-tokens", str(args.max_tokens),
+              "--model", "bench", "--concurrency", level, *level_length(args, int(level)),
+              "--max-tokens", str(args.max_tokens),
               "--temperature", str(args.temperature), "--warmup", level,
-              "--seed", str(args.seed + rnd), "--prompts", args.prompts, "--json-out", str(jpath)]
+              "--seed", str(args.seed + rnd), "--prompts", str(prompts), "--json-out", str(jpath)]
         if not args.natural:
             lg.append("--ignore-eos")
         subprocess.run(lg, check=True)
@@ -105,9 +135,20 @@ def main() -> int:
                     help="block size for threshold and dspark (the longest they may verify)")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--duration", type=float, default=20)
+    ap.add_argument("--requests-per-stream", type=int, default=0,
+                    help="run each level until every stream completed this many measured "
+                         "requests (after the warm-up) instead of for --duration seconds")
+    ap.add_argument("--min-requests", type=int, default=0,
+                    help="at least this many measured requests per level (e.g. the prompt "
+                         "set's size, so every level sees every prompt)")
+    ap.add_argument("--busy-cores", type=int, default=0,
+                    help="keep this many cores busy with a background process while the "
+                         "levels run (not while profiling): the shared-CPU condition")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--prompts", default=str(REPO / "tests" / "peer" / "prompts.jsonl"))
+    ap.add_argument("--prompts", default=str(REPO / "tests" / "peer" / "prompts.jsonl"),
+                    help="prompt file(s), comma-separated (e.g. the held-out "
+                         "data/prompts/chat.jsonl,data/prompts/code.jsonl,data/prompts/math.jsonl)")
     ap.add_argument("--cost-table", help="use this table instead of profiling first")
     ap.add_argument("--profile-max-batch", type=int, default=128)
     ap.add_argument("--port", type=int, default=18200)
@@ -137,12 +178,21 @@ def main() -> int:
     levels = [c.strip() for c in args.concurrency.split(",")]
     # Level-major: every policy runs each load level back to back, the order alternating
     # from level to level and from round to round.
-    k = 0
-    for rnd in range(args.rounds):
-        for level in levels:
-            for spec in (specs if k % 2 == 0 else specs[::-1]):
-                results.extend(run_level(args, table, spec, level, out, rnd))
-            k += 1
+    prompts = merge_prompts(args.prompts, out)
+    busy = start_busy(args.busy_cores)
+    if busy:
+        print(f"# {len(busy)} busy background process(es) while the levels run", flush=True)
+    try:
+        k = 0
+        for rnd in range(args.rounds):
+            for level in levels:
+                for spec in (specs if k % 2 == 0 else specs[::-1]):
+                    results.extend(run_level(args, table, spec, level, out, rnd, prompts))
+                k += 1
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
     results.sort(key=lambda r: (specs.index(r["spec"]), float(r["value"]), r["round"]))
     (out / "sweep.json").write_text(json.dumps({"cost_table": ct, "args": vars(args),
                                                 "results": results}, indent=1))
@@ -161,6 +211,8 @@ def main() -> int:
         by[(r["spec"], r["value"])].append(r)
     print()
     mode = "natural lengths" if args.natural else f"{args.max_tokens} tokens, ignore_eos"
+    if args.busy_cores:
+        mode += f", {args.busy_cores} core(s) taken by a background process"
     print(f"Medians over {args.rounds} round(s) [min-max], {mode}, temperature {args.temperature}:")
     print()
     print("| policy | streams | tok/s | per-user tok/s | TTFT p50 ms | ITL p50 ms | accept % | requests |")
