@@ -337,6 +337,24 @@ mod tests {
         assert!(hits.iter().all(|h| h.load(SeqCst) == 1));
     }
 
+    /// One job of two tasks: the worker's sleeps `late`; the caller's waits until the worker
+    /// holds its task, so the caller is left waiting for it.
+    fn job_with_a_late_worker(pool: &Pool, late: Duration) {
+        let caller = std::thread::current().id();
+        let worker_in = AtomicBool::new(false);
+        pool.run(2, &|_| {
+            if std::thread::current().id() != caller {
+                worker_in.store(true, SeqCst);
+                std::thread::sleep(late);
+            } else {
+                let t0 = Instant::now();
+                while !worker_in.load(SeqCst) && t0.elapsed() < Duration::from_secs(1) {
+                    std::thread::yield_now();
+                }
+            }
+        });
+    }
+
     /// A worker that stalls in its task (as a descheduled one does) makes the pool run
     /// the next jobs on the caller alone; later it uses the workers again.
     #[test]
@@ -345,22 +363,9 @@ mod tests {
         let caller = std::thread::current().id();
         // Let the worker start (a job published before it runs is not seen by it).
         std::thread::sleep(Duration::from_millis(25));
-        // Each job's task that lands on the worker sleeps 20 ms; the caller's task waits until
-        // the worker holds its task, so the caller is left waiting for it (longer than a
-        // woken worker's allowance too).
+        // Longer than a woken worker's allowance too.
         for _ in 0..STRIKES {
-            let worker_in = AtomicBool::new(false);
-            pool.run(2, &|_| {
-                if std::thread::current().id() != caller {
-                    worker_in.store(true, SeqCst);
-                    std::thread::sleep(Duration::from_millis(25));
-                } else {
-                    let t0 = Instant::now();
-                    while !worker_in.load(SeqCst) && t0.elapsed() < Duration::from_secs(1) {
-                        std::thread::yield_now();
-                    }
-                }
-            });
+            job_with_a_late_worker(&pool, Duration::from_millis(25));
         }
         assert_eq!(pool.fallbacks(), 1);
         assert!(pool.serial_now());
@@ -399,22 +404,10 @@ mod tests {
     #[test]
     fn waking_a_parked_worker_is_not_contention() {
         let pool = Pool::new(2);
-        let caller = std::thread::current().id();
         for _ in 0..3 * STRIKES {
             // Longer than SPIN: the worker parks.
             std::thread::sleep(Duration::from_millis(5));
-            let worker_in = AtomicBool::new(false);
-            pool.run(2, &|_| {
-                if std::thread::current().id() != caller {
-                    worker_in.store(true, SeqCst);
-                    std::thread::sleep(Duration::from_millis(2));
-                } else {
-                    let t0 = Instant::now();
-                    while !worker_in.load(SeqCst) && t0.elapsed() < Duration::from_secs(1) {
-                        std::thread::yield_now();
-                    }
-                }
-            });
+            job_with_a_late_worker(&pool, Duration::from_millis(2));
         }
         assert_eq!(pool.fallbacks(), 0);
         assert!(!pool.serial_now());
