@@ -314,6 +314,13 @@ def spec_board():
     b.panel("Scheduler theta", [
         (f"max by (instance, model_name) (dspark_scheduler_theta{{{ENGINE}}})", "{{instance}}")], w=8,
         description="dspark_scheduler_theta: the scheduler's current threshold.")
+    b.panel("Forward time vs the cost table", [
+        (f"max by (instance, kind) (dspark_scheduler_step_cost_ratio{{{ENGINE}}})", "{{instance}} {{kind}}"),
+        (f"max by (instance) (dspark_scheduler_verify_cost_factor{{{ENGINE}}})", "{{instance}} verify factor")],
+        w=8, decimals=2, min0=False,
+        description="dspark_scheduler_step_cost_ratio{kind=plain|verify}: measured / cost-table forward time "
+        "of decode-only steps (moving averages); dspark_scheduler_verify_cost_factor: verify / plain, 1-2, "
+        "the factor the drafting plans price a verifying forward by.")
     b.row("Cost table")
     b.panel("Cost table revision", [
         (f"max by (instance, model_name) (dspark_cost_table_revision{{{ENGINE}}})", "{{instance}}")],

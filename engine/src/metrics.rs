@@ -28,6 +28,12 @@ pub struct ModePositionLabel {
     pub position: u32,
 }
 
+/// A kind of engine step: `plain` (decodes only) or `verify` (verifies drafts).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StepKindLabel {
+    pub kind: String,
+}
+
 /// The arm of the online policy experiment (`serve --policy-experiment`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PolicyLabel {
@@ -152,6 +158,10 @@ pub struct Metrics {
     pub committed_tokens: Counter,
     /// `tau * SPS(B)` of the last scheduled step (expected tokens per second).
     pub theta: Gauge<f64, AtomicU64>,
+    /// Measured / table-predicted forward time per step kind (moving averages).
+    pub step_cost_ratio: Family<StepKindLabel, Gauge<f64, AtomicU64>>,
+    /// The factor drafting plans price a verifying forward by.
+    pub verify_cost_factor: Gauge<f64, AtomicU64>,
     pub cost_table_revision: Gauge,
     /// 1 for the source of the table in force, 0 for the others.
     pub cost_table_source: Family<SourceLabel, Gauge>,
@@ -218,6 +228,8 @@ impl Metrics {
             expected_tokens: Counter::default(),
             committed_tokens: Counter::default(),
             theta: Gauge::default(),
+            step_cost_ratio: Family::default(),
+            verify_cost_factor: Gauge::default(),
             cost_table_revision: Gauge::default(),
             cost_table_source: Family::default(),
             cost_table_refusals: Counter::default(),
@@ -375,6 +387,16 @@ impl Metrics {
             m.theta.clone(),
         );
         r.register(
+            fam::STEP_COST_RATIO.name,
+            "Measured / cost-table forward time of decode-only steps, by kind (plain, verify)",
+            m.step_cost_ratio.clone(),
+        );
+        r.register(
+            fam::VERIFY_COST_FACTOR.name,
+            "Factor the drafting plans price a verifying forward by (verify / plain ratio, 1-2)",
+            m.verify_cost_factor.clone(),
+        );
+        r.register(
             fam::COST_TABLE_REVISION.name,
             "Revision of the SPS(B) cost table in force (0 = built-in default)",
             m.cost_table_revision.clone(),
@@ -479,6 +501,9 @@ mod tests {
         drop(m.spec_accepted_per_pos.get_or_create(&pos));
         drop(m.cost_table_source.get_or_create(&source));
         drop(m.live_acceptance.get_or_create(&pos));
+        drop(m.step_cost_ratio.get_or_create(&StepKindLabel {
+            kind: "plain".into(),
+        }));
         drop(m.calibration_offset.get_or_create(&mode));
         drop(m.calibration_scale.get_or_create(&mode));
         drop(e.active.get_or_create(&arm));

@@ -265,6 +265,9 @@ pub mod metrics {
     pub const EXPECTED_TOKENS: Family = Family::new("dspark_scheduler_expected_tokens", Counter);
     pub const COMMITTED_TOKENS: Family = Family::new("dspark_scheduler_committed_tokens", Counter);
     pub const THETA: Family = Family::new("dspark_scheduler_theta", Gauge);
+    pub const STEP_COST_RATIO: Family = Family::new("dspark_scheduler_step_cost_ratio", Gauge);
+    pub const VERIFY_COST_FACTOR: Family =
+        Family::new("dspark_scheduler_verify_cost_factor", Gauge);
     pub const COST_TABLE_REVISION: Family = Family::new("dspark_cost_table_revision", Gauge);
     pub const COST_TABLE_SOURCE: Family = Family::new("dspark_cost_table_source", Gauge);
     pub const COST_TABLE_REFUSALS: Family = Family::new("dspark_cost_table_refusals", Counter);
@@ -317,6 +320,8 @@ pub mod metrics {
         EXPECTED_TOKENS,
         COMMITTED_TOKENS,
         THETA,
+        STEP_COST_RATIO,
+        VERIFY_COST_FACTOR,
         COST_TABLE_REVISION,
         COST_TABLE_SOURCE,
         COST_TABLE_REFUSALS,

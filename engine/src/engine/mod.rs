@@ -304,8 +304,16 @@ impl Engine {
                 Planned { entry: e, proposal }
             })
             .collect();
+        let started = Instant::now();
         let (batch, mut out) = self.forward(&plan)?;
         let finished = self.commit(&plan, &batch, &mut out)?;
+        if plan.iter().all(|p| p.entry.decoding) {
+            let verified = plan.iter().any(|p| p.proposal.is_some());
+            let secs = started.elapsed().as_secs_f64();
+            let table = self.costs.current();
+            self.spec
+                .record_step(&table, out.batch_tokens, secs, verified);
+        }
         for (i, end) in finished {
             let mut s = self.running.swap_remove(i);
             match end {

@@ -4,6 +4,8 @@
 //!
 //! - [`verify`]: the acceptance rule (lossless for any draft distribution).
 //! - [`ngram`]: prompt-lookup drafting, training-free.
+//! - [`clock`]: drafting and verifying time measured against the cost table, so plans are
+//!   priced at what this machine does now.
 //! - [`scheduler`]: the hardware-aware prefix scheduler (`--policy dspark`).
 //! - [`recalibrate`]: online per-position scales and offsets on top of STS, learned from verify
 //!   outcomes (`serve --online-calibration`).
@@ -12,6 +14,7 @@
 //! - [`dspark`]: the DSpark drafter (parallel backbone on target features + sequential head
 //!   + confidence head); with no sequential head it is the DFlash-style parallel baseline.
 
+pub mod clock;
 pub mod dspark;
 pub mod ngram;
 pub mod recalibrate;

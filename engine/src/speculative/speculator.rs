@@ -15,13 +15,14 @@
 //! them. A backlog that grows past [`DETACH_ROWS`] (the drafter stayed off for that long) is
 //! dropped and that sequence decodes plainly to its end, so memory stays bounded.
 
+use super::clock::{priced_sps, DraftClock, StepClock};
 use super::dspark::{ContextFeed, DSparkDrafter, DraftRequest, ProposeOptions};
 use super::recalibrate::OnlineCalibration;
 use super::scheduler::{plan_drafts, predicted_survival, probe_pays};
 use super::{is_greedy, ngram, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
 use crate::cost::ActiveTable;
 use crate::kv::KvCache;
-use crate::metrics::{Metrics, ModePositionLabel, PositionLabel};
+use crate::metrics::{Metrics, ModePositionLabel, PositionLabel, StepKindLabel};
 use crate::model::Model;
 use crate::sampling::{Dist, SamplingParams};
 use anyhow::Result;
@@ -139,54 +140,6 @@ impl SeqState {
     }
 }
 
-/// Measured drafting time against the cost table's prediction.
-#[derive(Debug, Clone)]
-struct DraftClock {
-    /// Moving average of measured / predicted seconds (table present), so a machine that
-    /// got slower or faster since profiling is priced as it is now.
-    scale: f64,
-    /// Without table draft points: moving average of seconds per unit of
-    /// [`DraftClock::shape`], 0 until the first measurement.
-    per_unit: f64,
-}
-
-impl DraftClock {
-    /// Relative cost of a call without measured points: a fixed part plus one per token.
-    fn shape(n: usize, l: usize) -> f64 {
-        l as f64 * (1.0 + n as f64 / 4.0)
-    }
-
-    fn predict(&self, table: &ActiveTable, n: usize, l: usize) -> f64 {
-        if n == 0 || l == 0 {
-            return 0.0;
-        }
-        match table.table.draft_seconds(n as u32, l as u32) {
-            Some(t) => t * self.scale,
-            None => self.per_unit * Self::shape(n, l),
-        }
-    }
-
-    fn record(&mut self, table: &ActiveTable, n: usize, l: usize, secs: f64) {
-        if n == 0 || l == 0 || !secs.is_finite() {
-            return;
-        }
-        match table.table.draft_seconds(n as u32, l as u32) {
-            Some(t) if t > 0.0 => {
-                let r = (secs / t).clamp(0.25, 8.0);
-                self.scale = 0.9 * self.scale + 0.1 * r;
-            }
-            _ => {
-                let u = secs / Self::shape(n, l);
-                self.per_unit = if self.per_unit == 0.0 {
-                    u
-                } else {
-                    0.9 * self.per_unit + 0.1 * u
-                };
-            }
-        }
-    }
-}
-
 /// What the last [`Speculator::propose`] decided (for tests and the trace).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LastPlan {
@@ -205,6 +158,8 @@ pub struct Speculator {
     acceptance: AcceptanceStats,
     recal: Option<OnlineCalibration>,
     clock: DraftClock,
+    /// Verifying forwards against plain ones, both against the table.
+    step_clock: StepClock,
     /// Steps in a row the plan drafted nobody.
     skips_in_row: usize,
     steps: u64,
@@ -229,6 +184,7 @@ impl Speculator {
             .as_ref()
             .filter(|_| online_calibration > 0.0)
             .map(|d| OnlineCalibration::new(d.model.config().block_size, online_calibration));
+        metrics.verify_cost_factor.set(1.0);
         Self {
             kind,
             policy,
@@ -236,10 +192,8 @@ impl Speculator {
             seqs: HashMap::new(),
             acceptance: AcceptanceStats::new(64, 200.0),
             recal,
-            clock: DraftClock {
-                scale: 1.0,
-                per_unit: 0.0,
-            },
+            clock: DraftClock::default(),
+            step_clock: StepClock::default(),
             skips_in_row: 0,
             steps: 0,
             calls: 0,
@@ -437,13 +391,14 @@ impl Speculator {
                 .map(|(c, &cap)| predicted_survival(&self.predicted_rates(c.id, cap), cap))
                 .collect();
             let clock = self.clock.clone();
-            let plan = plan_drafts(
-                &predicted,
+            let sps = priced_sps(
+                |b| table.sps(b),
                 shape.base_b,
-                shape.max_b,
-                &|b| table.sps(b),
-                &|n, l| clock.predict(table, n, l),
+                self.step_clock.verify_factor(),
             );
+            let plan = plan_drafts(&predicted, shape.base_b, shape.max_b, &sps, &|n, l| {
+                clock.predict(table, n, l)
+            });
             gamma = plan.gamma;
             // Predictions are estimates: a plan must beat plain decoding by a margin, or the
             // step decodes plainly (a near-tie is not worth the drafter's risk).
@@ -463,7 +418,7 @@ impl Speculator {
                     &caps,
                     shape.base_b,
                     shape.max_b,
-                    &|b| table.sps(b),
+                    &sps,
                     &|n, l| clock.predict(table, n, l),
                     PLAN_MARGIN,
                 ) {
@@ -493,7 +448,7 @@ impl Speculator {
             let r = cands.len() as f64;
             let mut cheapest = f64::INFINITY;
             for b in shape.base_b.max(1)..shape.max_b.max(shape.base_b.max(1) + 1) {
-                cheapest = cheapest.min(table.sps(b) / table.sps(b + 1) - 1.0);
+                cheapest = cheapest.min(sps(b) / sps(b + 1) - 1.0);
                 if cheapest <= 0.0 {
                     break;
                 }
@@ -730,6 +685,35 @@ impl Speculator {
         Ok(())
     }
 
+    /// One decode-only step (no prefill in its forward) took `secs` for its forward and
+    /// commit over `batch_tokens` tokens; `verified`: some sequence verified a draft.
+    pub fn record_step(
+        &mut self,
+        table: &ActiveTable,
+        batch_tokens: usize,
+        secs: f64,
+        verified: bool,
+    ) {
+        if self.kind() == Speculation::None || batch_tokens == 0 {
+            return;
+        }
+        self.step_clock
+            .record(1.0 / table.sps(batch_tokens), secs, verified);
+        let (plain, verify) = self.step_clock.ratios();
+        let m = &self.metrics;
+        m.step_cost_ratio
+            .get_or_create(&StepKindLabel {
+                kind: "plain".into(),
+            })
+            .set(plain);
+        m.step_cost_ratio
+            .get_or_create(&StepKindLabel {
+                kind: "verify".into(),
+            })
+            .set(verify);
+        m.verify_cost_factor.set(self.step_clock.verify_factor());
+    }
+
     /// Verify lengths for this step's proposals (`caps[r]`: candidate r's most draft
     /// tokens) under the policy and the cost table, proposals cut to them. An n-gram draft
     /// the plan does not verify is kept as a shadow (see `SeqState::shadow`).
@@ -745,9 +729,14 @@ impl Speculator {
         }
         let caps: Vec<usize> = cands.iter().map(|c| c.1).collect();
         let props: Vec<Option<&Proposal>> = proposals.iter().map(Option::as_ref).collect();
+        let sps = priced_sps(
+            |b| table.sps(b),
+            shape.base_b,
+            self.step_clock.verify_factor(),
+        );
         let vp = self
             .policy
-            .plan(&props, &caps, shape.base_b, shape.max_b, &|b| table.sps(b));
+            .plan(&props, &caps, shape.base_b, shape.max_b, &sps);
         self.metrics.expected_tokens.inc_by(vp.expected_tau);
         if let Some(t) = vp.theta {
             self.metrics.theta.set(t);
