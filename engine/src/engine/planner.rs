@@ -134,25 +134,54 @@ pub(super) enum Packed {
 }
 
 /// Packs the step: `drafts[i]` is the draft length the speculator offers running sequence
-/// `i` (0: none). Drafts are cut to the budget left; a sequence whose blocks do not fit is
-/// skipped this step.
+/// `i` (0: none). First every decoding sequence's pending token (in order; one whose new
+/// block does not fit is skipped this step), then the drafts within the tokens and KV blocks
+/// left (cut, never at the cost of another sequence's step: the decoding sequences that run
+/// are exactly those a plain step would run), then prefill chunks.
 pub(super) fn pack(loads: &[Load], demand: &Demand, drafts: &[usize], lim: &Limits) -> Packed {
     let mut budget = lim.max_batch_tokens;
     let mut free = lim.free_blocks;
     let mut entries = Vec::new();
     let mut skipped = Vec::new();
-    for &i in &demand.order {
+    let (decoding, prefill) = demand.order.split_at(demand.decoding);
+    for &i in decoding {
         if budget == 0 {
             break;
         }
         let l = loads[i];
-        let decoding = l.decoding();
-        let (chunk, draft) = if decoding {
-            let d = drafts[i].min(budget - 1);
-            (1 + d, d)
-        } else {
-            (l.pending.min(budget).min(lim.prefill_chunk.max(1)), 0)
-        };
+        let extra = lim.blocks_for(l.cached + 1).saturating_sub(l.blocks);
+        if extra > free {
+            skipped.push(i);
+            continue;
+        }
+        free -= extra;
+        budget -= 1;
+        entries.push(Entry {
+            seq: i,
+            chunk: 1,
+            draft: 0,
+            decoding: true,
+        });
+    }
+    for e in entries.iter_mut() {
+        let l = loads[e.seq];
+        let held = l.blocks.max(lim.blocks_for(l.cached + 1));
+        let fits = ((held + free) * lim.block_size).saturating_sub(l.cached + 1);
+        let d = drafts[e.seq].min(budget).min(fits);
+        if d == 0 {
+            continue;
+        }
+        free -= lim.blocks_for(l.cached + 1 + d).saturating_sub(held);
+        budget -= d;
+        e.chunk += d;
+        e.draft = d;
+    }
+    for &i in prefill {
+        if budget == 0 {
+            break;
+        }
+        let l = loads[i];
+        let chunk = l.pending.min(budget).min(lim.prefill_chunk.max(1));
         let extra = lim.blocks_for(l.cached + chunk).saturating_sub(l.blocks);
         if extra > free {
             skipped.push(i);
@@ -163,8 +192,8 @@ pub(super) fn pack(loads: &[Load], demand: &Demand, drafts: &[usize], lim: &Limi
         entries.push(Entry {
             seq: i,
             chunk,
-            draft,
-            decoding,
+            draft: 0,
+            decoding: false,
         });
     }
     match skipped.iter().max() {
@@ -242,6 +271,34 @@ mod tests {
     }
 
     #[test]
+    fn drafts_are_cut_to_the_free_blocks_not_the_sequence() {
+        // 7 cached + 1 pending in 2 blocks of 4: one slot left in its blocks. No free block:
+        // a 3-token draft does not fit, the pending token plus one draft token does.
+        let loads = [load(1, 6)];
+        let l = lim(16, 0);
+        let p = pack(&loads, &demand(&loads, &l), &[3], &l);
+        assert_eq!(
+            p,
+            Packed::Run(vec![Entry {
+                seq: 0,
+                chunk: 2,
+                draft: 1,
+                decoding: true,
+            }])
+        );
+        // Its blocks full (8 cached): the pending token alone needs a new block; none free.
+        let loads = [load(1, 8), load(1, 6)];
+        let p = pack(&loads, &demand(&loads, &l), &[3, 3], &l);
+        let Packed::Run(e) = p else { panic!("{p:?}") };
+        assert_eq!((e.len(), e[0].seq, e[0].draft), (1, 1, 1), "{e:?}");
+        // One free block: the first takes it with up to 3 draft tokens (9..12).
+        let l = lim(16, 1);
+        let p = pack(&loads, &demand(&loads, &l), &[3, 3], &l);
+        let Packed::Run(e) = p else { panic!("{p:?}") };
+        assert_eq!(e.iter().map(|x| x.draft).collect::<Vec<_>>(), vec![3, 1]);
+    }
+
+    #[test]
     fn admission_keeps_a_growth_block_per_running_sequence() {
         let l = lim(64, 4);
         // 7 tokens + 1 -> 2 blocks each; admission allocates nothing, it only checks that
@@ -291,6 +348,15 @@ mod tests {
                     }
                 }
                 Packed::Preempt(i) => prop_assert!(i < loads.len()),
+            }
+            // Drafts never cost a step: with no drafts offered, the same sequences run.
+            let plain = pack(&loads, &d, &vec![0; loads.len()], &l);
+            let with = pack(&loads, &d, &drafts, &l);
+            if let (Packed::Run(a), Packed::Run(b)) = (&plain, &with) {
+                let decoding = |e: &[Entry]| e.iter().filter(|x| x.decoding).map(|x| x.seq).collect::<Vec<_>>();
+                prop_assert_eq!(decoding(a), decoding(b));
+            } else {
+                prop_assert_eq!(matches!(plain, Packed::Preempt(_)), matches!(with, Packed::Preempt(_)));
             }
         }
     }
