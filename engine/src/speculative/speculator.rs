@@ -391,11 +391,7 @@ impl Speculator {
                 .map(|(c, &cap)| predicted_survival(&self.predicted_rates(c.id, cap), cap))
                 .collect();
             let clock = self.clock.clone();
-            let sps = priced_sps(
-                |b| table.sps(b),
-                shape.base_b,
-                self.step_clock.verify_factor(),
-            );
+            let sps = self.priced(table, shape);
             let plan = plan_drafts(&predicted, shape.base_b, shape.max_b, &sps, &|n, l| {
                 clock.predict(table, n, l)
             });
@@ -685,6 +681,16 @@ impl Speculator {
         Ok(())
     }
 
+    /// The table's SPS as this step's plans read it: a forward that verifies drafts priced
+    /// by the measured [`StepClock::verify_factor`].
+    fn priced<'a>(&self, table: &'a ActiveTable, shape: StepShape) -> impl Fn(usize) -> f64 + 'a {
+        priced_sps(
+            move |b| table.sps(b),
+            shape.base_b,
+            self.step_clock.verify_factor(),
+        )
+    }
+
     /// One decode-only step (no prefill in its forward) took `secs` for its forward and
     /// commit over `batch_tokens` tokens; `verified`: some sequence verified a draft.
     pub fn record_step(
@@ -729,11 +735,7 @@ impl Speculator {
         }
         let caps: Vec<usize> = cands.iter().map(|c| c.1).collect();
         let props: Vec<Option<&Proposal>> = proposals.iter().map(Option::as_ref).collect();
-        let sps = priced_sps(
-            |b| table.sps(b),
-            shape.base_b,
-            self.step_clock.verify_factor(),
-        );
+        let sps = self.priced(table, shape);
         let vp = self
             .policy
             .plan(&props, &caps, shape.base_b, shape.max_b, &sps);
