@@ -21,8 +21,9 @@ log() { printf '[gpu-check] %s\n' "$*" >&2; }
 
 case "${1:-run}" in
   prepare)
+    # Always through cargo: its fingerprints rebuild what changed and skip the rest.
+    scripts/cuda-build.sh
     bin="$(scripts/cuda-build.sh target)/release/dspark-engine"
-    [ -x "$bin" ] || scripts/cuda-build.sh
     mkdir -p .gpu
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
     strip -o .gpu/dspark-engine "$bin"

@@ -8,8 +8,8 @@ model's vocabulary), then, with one dspark-engine binary built with `--features 
      devices; top-1 agreement (positions until the first different token) and the largest
      |logprob difference| over those positions.
   2. `dspark-engine profile --device cuda` on the 8B shape: decode tok/s (SPS(1)) and SPS(B)
-     for B = 1..64, against the memory-bandwidth limit (weight bytes read per step / the GPU's
-     bandwidth).
+     for B = 1..128, against the memory-bandwidth limit (weight bytes read per step / the GPU's
+     bandwidth), and verify-shaped steps (4 tokens per sequence) for B = 1..64.
   3. Greedy losslessness of speculation on CUDA: the small shape with `--speculation ngram`
      must give exactly the tokens of `--speculation none`.
 Writes $OUT/gpu-check.md (and gpu-check.json). GPU_CHECK_DEVICE=cpu and GPU_CHECK_SHAPES=tiny
@@ -203,13 +203,14 @@ def lossless(bin, model, gpu, logdir, n, tokens, vocab):
     return sum(a == b for a, b in zip(outs["none"], outs["ngram"])), len(ps), drafted
 
 
-def profile(bin, model, gpu, logdir, batches):
-    out = os.path.join(logdir, "profile-8b.json")
+def profile(bin, model, gpu, logdir, batches, tokens_per_seq=1):
+    tag = f"profile-8b-t{tokens_per_seq}"
+    out = os.path.join(logdir, f"{tag}.json")
     args = [bin, "profile", "--model", model, "--device", gpu, "--batches", batches,
-            "--tokens-per-seq", "1", "--context", "256", "--min-reps", "5", "--max-reps", "20",
-            "--output", out]
+            "--tokens-per-seq", str(tokens_per_seq), "--context", "256", "--min-reps", "5",
+            "--max-reps", "20", "--output", out]
     t0 = time.time()
-    with open(os.path.join(logdir, "profile-8b.log"), "w") as f:
+    with open(os.path.join(logdir, f"{tag}.log"), "w") as f:
         subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=400)
     log(f"profiled in {time.time() - t0:.1f}s")
     return json.load(open(out))
@@ -271,7 +272,10 @@ def main():
         w = step(f"write {big}", lambda: write_model(big, big_dir, 2))
         if w is not None:
             params, _ = w
-            table = step(f"profile {big}", lambda: profile(a.bin, big_dir, a.device, a.out, "1,2,4,8,16,32,64"))
+            table = step(f"profile {big}", lambda: profile(a.bin, big_dir, a.device, a.out, "1,2,4,8,16,32,64,128"))
+            # Verify-shaped steps (4 tokens per sequence): what a speculative step costs.
+            verify = step(f"profile {big}, 4 tokens per sequence",
+                          lambda: profile(a.bin, big_dir, a.device, a.out, "1,4,16,64", 4))
             if table:
                 pts = {int(b): float(sps) for b, sps in table["points"]}
                 # The engine keeps safetensors weights in f32: 4 bytes per parameter per step.
@@ -282,6 +286,15 @@ def main():
                        "| B | SPS(B) steps/s | tokens/s | SPS(B)/SPS(1) | SPS(B) / bandwidth limit |", "|---:|---:|---:|---:|---:|"]
                 for b in sorted(pts):
                     md.append(f"| {b} | {pts[b]:.1f} | {pts[b] * b:.0f} | {pts[b] / pts[min(pts)]:.2f} | {pts[b] / limit:.2f} |")
+                md.append("")
+            if table and verify:
+                vp = {int(b): float(sps) for b, sps in verify["points"]}
+                report["profile_verify4"] = {"sps": vp}
+                md += [f"## Verify-shaped steps on {a.device}, {big} shape: 4 tokens per sequence", "",
+                       "| B | SPS(B) steps/s | tokens/s | / decode SPS(1) | / decode SPS(B) |", "|---:|---:|---:|---:|---:|"]
+                for b in sorted(vp):
+                    md.append(f"| {b} | {vp[b]:.1f} | {vp[b] * b * 4:.0f} | {vp[b] / pts[min(pts)]:.2f} | "
+                              + (f"{vp[b] / pts[b]:.2f} |" if b in pts else "- |"))
                 md.append("")
             shutil.rmtree(big_dir, ignore_errors=True)
     report["failed"] = failed

@@ -1,7 +1,7 @@
 """scripts/gpu-check.sh, the prepared GPU check, dry-run on the CPU so it cannot rot between
 the sessions that are lent a GPU: the tiny shape, CPU against CPU, every step of the path
 (random-weight model written, two servers compared, speculation against plain decoding,
-`profile`) and the report."""
+`profile`, decode- and verify-shaped) and the report."""
 
 import json
 import os
@@ -25,6 +25,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert a["max_abs_logprob_diff"] == 0.0
     ll = report["lossless"]
     assert ll["identical"] == ll["prompts"] == 6 and ll["draft_tokens"] > 0
-    assert sorted(int(b) for b in report["profile"]["sps"]) == [1, 2, 4, 8, 16, 32, 64]
+    assert sorted(int(b) for b in report["profile"]["sps"]) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert sorted(int(b) for b in report["profile_verify4"]["sps"]) == [1, 4, 16, 64]
     md = (tmp_path / "out" / "gpu-check.md").read_text()
     assert "6 of 6 completions" in md and "SPS(B)" in md

@@ -21,7 +21,7 @@ pub struct AttnSeq {
 
 #[derive(Debug, Clone)]
 pub struct PagedAttention {
-    pub seqs: std::sync::Arc<Vec<AttnSeq>>,
+    pub seqs: std::sync::Arc<AttnBatch>,
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
@@ -58,64 +58,199 @@ impl PagedAttention {
         }
     }
 
-    /// Device-independent reference built from tensor ops (gather, matmul, mask, softmax).
+    /// Device-independent path built from tensor ops (gather, batched matmul, mask, softmax):
+    /// what runs on CUDA, and the CPU kernel's reference in tests. Sequences are padded into
+    /// groups of similar lengths (bounded in query rows x keys), so a
+    /// layer costs a fixed number of kernel launches per group, not per sequence; the gather
+    /// indices and masks go to the device once per forward ([`AttnBatch`] keeps them for all
+    /// layers), never once per sequence and layer.
     pub fn forward_generic(
         &self,
         q: &Tensor,
         k_cache: &Tensor,
         v_cache: &Tensor,
     ) -> Result<Tensor> {
-        let dev = q.device();
         let (t, nh, hd) = q.dims3()?;
-        let group = self.num_heads / self.num_kv_heads;
-        let mut outs = Vec::new();
-        for s in self.seqs.iter() {
-            if s.q_len == 0 {
-                continue;
-            }
-            let slots: Vec<u32> = (0..s.kv_len)
-                .map(|p| {
-                    (s.block_table[p / self.block_size] as usize * self.block_size
-                        + p % self.block_size) as u32
-                })
-                .collect();
-            let idx = Tensor::new(slots.as_slice(), dev)?;
-            let k = k_cache
-                .index_select(&idx, 0)?
+        let plan = self.seqs.plan(self, q.device())?;
+        let (nkv, group) = (self.num_kv_heads, self.num_heads / self.num_kv_heads);
+        let gather = |cache: &Tensor, g: &Group| -> Result<Tensor> {
+            cache
+                .index_select(&g.slots, 0)?
                 .to_dtype(candle_core::DType::F32)?
-                .reshape((s.kv_len, self.num_kv_heads, 1, hd))?
-                .broadcast_as((s.kv_len, self.num_kv_heads, group, hd))?
-                .reshape((s.kv_len, nh, hd))?
-                .transpose(0, 1)?
-                .contiguous()?; // [nh, L, hd]
-            let v = v_cache
-                .index_select(&idx, 0)?
-                .to_dtype(candle_core::DType::F32)?
-                .reshape((s.kv_len, self.num_kv_heads, 1, hd))?
-                .broadcast_as((s.kv_len, self.num_kv_heads, group, hd))?
-                .reshape((s.kv_len, nh, hd))?
-                .transpose(0, 1)?
-                .contiguous()?;
+                .reshape((g.n, g.lmax, nkv, hd))?
+                .transpose(1, 2)?
+                .contiguous() // [n, nkv, L, hd]
+        };
+        let mut outs = Vec::with_capacity(plan.groups.len());
+        for g in &plan.groups {
+            let (n, qm, lm) = (g.n, g.qmax, g.lmax);
+            // [n * qmax, nh, hd] -> [n, nkv, group * qmax, hd]: the query heads sharing a kv
+            // head attend to its keys in one product.
             let qs = q
-                .narrow(0, s.q_start, s.q_len)?
-                .transpose(0, 1)?
-                .contiguous()?; // [nh, q, hd]
-            let scores = (qs.matmul(&k.t()?)? * self.scale as f64)?; // [nh, q, L]
-            let mut mask = vec![f32::NEG_INFINITY; s.q_len * s.kv_len];
-            for qi in 0..s.q_len {
-                let (lo, hi) = self.visible(s, qi);
-                for p in lo..hi {
-                    mask[qi * s.kv_len + p] = 0.0;
-                }
-            }
-            let mask = Tensor::from_vec(mask, (1, s.q_len, s.kv_len), dev)?;
-            let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-            let o = probs.matmul(&v)?; // [nh, q, hd]
-            outs.push(o.transpose(0, 1)?.reshape((s.q_len, nh * hd))?);
+                .index_select(&g.rows, 0)?
+                .reshape((n, qm, nkv, group, hd))?
+                .permute((0, 2, 3, 1, 4))?
+                .contiguous()?
+                .reshape((n, nkv, group * qm, hd))?;
+            let k = gather(k_cache, g)?;
+            let v = gather(v_cache, g)?;
+            let scores = (qs.matmul(&k.t()?)? * self.scale as f64)?
+                .reshape((n, nkv, group, qm, lm))?
+                .broadcast_add(&g.mask)?;
+            let probs =
+                candle_nn::ops::softmax_last_dim(&scores)?.reshape((n, nkv, group * qm, lm))?;
+            let o = probs
+                .matmul(&v)? // [n, nkv, group * qmax, hd]
+                .reshape((n, nkv, group, qm, hd))?
+                .permute((0, 3, 1, 2, 4))?
+                .contiguous()?
+                .reshape((n * qm, nh * hd))?;
+            outs.push(o);
         }
-        let out = Tensor::cat(&outs, 0)?;
+        let out = Tensor::cat(&outs, 0)?.index_select(&plan.unpad, 0)?;
         debug_assert_eq!(out.dim(0)?, t);
         Ok(out)
+    }
+}
+
+/// The sequences of one batched forward, shared by all its layers' attention calls, with the
+/// device-side gather plans of [`PagedAttention::forward_generic`] built on first use.
+#[derive(Debug)]
+pub struct AttnBatch {
+    seqs: Vec<AttnSeq>,
+    /// Padded query rows x keys one group may hold (its scores are that times the heads).
+    cells: usize,
+    plans: std::sync::Mutex<Vec<(PlanKey, std::sync::Arc<Plan>)>>,
+}
+
+impl AttnBatch {
+    pub fn new(seqs: Vec<AttnSeq>) -> Self {
+        Self::with_group_cells(seqs, 1 << 21)
+    }
+
+    pub fn with_group_cells(seqs: Vec<AttnSeq>, cells: usize) -> Self {
+        Self {
+            seqs,
+            cells,
+            plans: Default::default(),
+        }
+    }
+
+    /// The plan for `op`'s block size and mask, built once per (block size, window, causal).
+    fn plan(&self, op: &PagedAttention, dev: &candle_core::Device) -> Result<std::sync::Arc<Plan>> {
+        let key = (op.block_size, op.window, op.causal);
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, p)) = plans.iter().find(|(k, _)| *k == key) {
+            return Ok(p.clone());
+        }
+        let p = std::sync::Arc::new(Plan::new(op, dev, self.cells)?);
+        plans.push((key, p.clone()));
+        Ok(p)
+    }
+}
+
+impl std::ops::Deref for AttnBatch {
+    type Target = [AttnSeq];
+    fn deref(&self) -> &[AttnSeq] {
+        &self.seqs
+    }
+}
+
+type PlanKey = (usize, Option<usize>, bool);
+
+/// Sequences padded to a common query and key length, attended in one batched product.
+#[derive(Debug)]
+struct Group {
+    n: usize,
+    qmax: usize,
+    lmax: usize,
+    /// `[n * qmax]` query rows of the flat batch (padding repeats a real row).
+    rows: Tensor,
+    /// `[n * lmax]` cache slots (padding repeats the sequence's first slot).
+    slots: Tensor,
+    /// `[n, 1, 1, qmax, lmax]`: 0 where visible, -inf elsewhere (padding rows see key 0).
+    mask: Tensor,
+}
+
+#[derive(Debug)]
+struct Plan {
+    groups: Vec<Group>,
+    /// `[T]`: each query row's row in the groups' concatenated outputs.
+    unpad: Tensor,
+}
+
+impl Plan {
+    /// Sequences sorted by (query rows, keys) and cut into groups whose padded cells stay
+    /// within `cells` (a sequence larger than that is a group alone).
+    fn new(op: &PagedAttention, dev: &candle_core::Device, cells: usize) -> Result<Self> {
+        let seqs = &op.seqs;
+        let mut order: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].q_len > 0).collect();
+        order.sort_by_key(|&i| (seqs[i].q_len, seqs[i].kv_len));
+        let t: usize = seqs.iter().map(|s| s.q_len).sum();
+        let mut unpad = vec![0u32; t];
+        let mut groups = Vec::new();
+        let (mut at, mut base) = (0, 0);
+        while at < order.len() {
+            // Members in sort order, so the last one has the most query rows; one bucket of
+            // query lengths per group (decode and verify rows together, prefill chunks apart).
+            let bucket = |q: usize| q.max(16).next_power_of_two();
+            let first = &seqs[order[at]];
+            let (mut end, mut lmax) = (at + 1, first.kv_len.max(1));
+            while end < order.len() {
+                let s = &seqs[order[end]];
+                let l = lmax.max(s.kv_len);
+                if bucket(s.q_len) != bucket(first.q_len) || (end + 1 - at) * s.q_len * l > cells {
+                    break;
+                }
+                (end, lmax) = (end + 1, l);
+            }
+            let members = &order[at..end];
+            let (n, qmax) = (
+                members.len(),
+                seqs[*members.last().expect("a group has a member")].q_len,
+            );
+            let mut rows = Vec::with_capacity(n * qmax);
+            let mut slots = Vec::with_capacity(n * lmax);
+            let mut mask = vec![f32::NEG_INFINITY; n * qmax * lmax];
+            for (j, &si) in members.iter().enumerate() {
+                let s = &seqs[si];
+                for r in 0..qmax {
+                    let real = r < s.q_len;
+                    rows.push((s.q_start + if real { r } else { 0 }) as u32);
+                    let m = &mut mask[(j * qmax + r) * lmax..(j * qmax + r + 1) * lmax];
+                    if real {
+                        unpad[s.q_start + r] = (base + j * qmax + r) as u32;
+                        let (lo, hi) = op.visible(s, r);
+                        m[lo..hi].fill(0.0);
+                    } else {
+                        m[0] = 0.0;
+                    }
+                }
+                let first = s
+                    .block_table
+                    .first()
+                    .map_or(0, |&b| b as usize * op.block_size);
+                slots.extend((0..s.kv_len).map(|p| {
+                    (s.block_table[p / op.block_size] as usize * op.block_size + p % op.block_size)
+                        as u32
+                }));
+                slots.extend(std::iter::repeat_n(first as u32, lmax - s.kv_len));
+            }
+            groups.push(Group {
+                n,
+                qmax,
+                lmax,
+                rows: Tensor::new(rows.as_slice(), dev)?,
+                slots: Tensor::new(slots.as_slice(), dev)?,
+                mask: Tensor::from_vec(mask, (n, 1, 1, qmax, lmax), dev)?,
+            });
+            base += n * qmax;
+            at = end;
+        }
+        Ok(Self {
+            groups,
+            unpad: Tensor::new(unpad.as_slice(), dev)?,
+        })
     }
 }
 
@@ -578,9 +713,31 @@ mod tests {
                 block_table: vec![3, 5, 6, 8],
             },
         ];
-        let q = Tensor::randn(0f32, 1.0, (20, nh, hd), &dev).unwrap();
+        // Decode rows of sequences of different lengths (batched into padded groups).
+        let seqs: Vec<AttnSeq> = seqs
+            .into_iter()
+            .chain((0..6).map(|i| AttnSeq {
+                q_start: 20 + i,
+                q_len: 1,
+                q_pos0: 2 + 2 * i,
+                kv_len: 3 + 2 * i,
+                block_table: vec![(i as u32 + 3) % 16, 12, 0, 14],
+            }))
+            .collect();
+        let q = Tensor::randn(0f32, 1.0, (26, nh, hd), &dev).unwrap();
+        // Groups bounded so tightly that most sequences are alone: the same result.
+        let small = PagedAttention {
+            seqs: std::sync::Arc::new(AttnBatch::with_group_cells(seqs.clone(), 30)),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: bs,
+            scale: 0.25,
+            window,
+            causal,
+        };
         let op = PagedAttention {
-            seqs: std::sync::Arc::new(seqs),
+            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: hd,
@@ -594,6 +751,11 @@ mod tests {
         let b = op.forward_generic(&q, &kc, &vc).unwrap();
         let d = maxdiff(a.clone(), b);
         assert!(d < 1e-4, "kernel and reference differ by {d}");
+        let groups = |op: &PagedAttention| op.seqs.plan(op, &dev).unwrap().groups.len();
+        assert_eq!(groups(&op), 1, "up to 16 query rows each: one padded group");
+        assert!(groups(&small) >= 5, "tight bounds split the batch");
+        let c = maxdiff(a.clone(), small.forward_generic(&q, &kc, &vc).unwrap());
+        assert!(c < 1e-4, "kernel and small-group reference differ by {c}");
         // f16 caches: the kernel widens rows as it reads them; the reference gathers and
         // converts. Same inputs (the f16-rounded caches), so only f32 rounding differs.
         let (k16, v16) = (
@@ -619,7 +781,7 @@ mod tests {
             block_table: vec![0; 8],
         };
         let op = |seqs| PagedAttention {
-            seqs: std::sync::Arc::new(seqs),
+            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
             num_heads: 9,
             num_kv_heads: 3,
             head_dim: 64,

@@ -14,7 +14,7 @@ pub mod weights;
 
 use crate::kv::KvCache;
 use anyhow::{Context, Result};
-use attention::{AttnSeq, PagedAttention};
+use attention::{AttnBatch, AttnSeq, PagedAttention};
 use candle_core::{DType, Device, Tensor};
 pub use config::{Activation, Arch, ModelConfig};
 pub use linear::Linear;
@@ -195,7 +195,7 @@ impl Model {
             });
         }
         let t = tokens.len();
-        let seqs = Arc::new(seqs);
+        let seqs = Arc::new(AttnBatch::new(seqs));
         let ids = Tensor::new(tokens.as_slice(), dev)?;
         let pos = Tensor::new(positions.as_slice(), dev)?;
         let kv_dim = cfg.kv_dim();

@@ -248,7 +248,7 @@ impl DSparkDrafter {
         let idx = slot_index(&slots, self.kv_dim(), dev)?;
         let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
         let attn = PagedAttention {
-            seqs: Arc::new(seqs),
+            seqs: Arc::new(AttnBatch::new(seqs)),
             num_heads: nh,
             num_kv_heads: cfg.num_key_value_heads,
             head_dim: hd,

@@ -52,7 +52,7 @@ mod weights;
 pub use layout::Layout;
 
 use crate::kv::KvCache;
-use crate::model::attention::{AttnSeq, PagedAttention};
+use crate::model::attention::{AttnBatch, AttnSeq, PagedAttention};
 use crate::model::Linear;
 use crate::model::{Model, ModelConfig};
 use crate::sampling::{edit_logits, target_probs, Dist, History, SamplingParams};
