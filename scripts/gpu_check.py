@@ -278,11 +278,17 @@ def main():
                           lambda: profile(a.bin, big_dir, a.device, a.out, "1,4,16,64", 4))
             if table:
                 pts = {int(b): float(sps) for b, sps in table["points"]}
-                # The engine keeps safetensors weights in f32: 4 bytes per parameter per step.
-                limit = a.bandwidth_tbs * 1e12 / (4 * params)
-                report["profile"] = {"sps": pts, "bandwidth_limit_steps_per_s": limit}
-                md += [f"## SPS(B) on {a.device}, {big} shape ({params / 1e9:.2f} B parameters, f32 weights in the engine)", "",
-                       f"Memory-bandwidth limit for one step: {a.bandwidth_tbs} TB/s / {4 * params / 1e9:.1f} GB = {limit:.1f} steps/s.", "",
+                # Bytes read per step: the layers' matrices in the table's dtype (bf16 stays
+                # bf16 on a GPU, f32 on the CPU); embedding rows are few, the LM head is f32.
+                vocab, hidden, tied = SHAPES[big][0], SHAPES[big][1], SHAPES[big][7]
+                head = vocab * hidden
+                per = 2 if table.get("dtype") in ("bf16", "f16") else 4
+                nbytes = per * (params - (1 if tied else 2) * head) + 4 * head
+                limit = a.bandwidth_tbs * 1e12 / nbytes
+                report["profile"] = {"sps": pts, "bandwidth_limit_steps_per_s": limit,
+                                     "dtype": table.get("dtype")}
+                md += [f"## SPS(B) on {a.device}, {big} shape ({params / 1e9:.2f} B parameters, layer weights in {table.get('dtype')}, LM head f32)", "",
+                       f"Memory-bandwidth limit for one step: {a.bandwidth_tbs} TB/s / {nbytes / 1e9:.1f} GB = {limit:.1f} steps/s.", "",
                        "| B | SPS(B) steps/s | tokens/s | SPS(B)/SPS(1) | SPS(B) / bandwidth limit |", "|---:|---:|---:|---:|---:|"]
                 for b in sorted(pts):
                     md.append(f"| {b} | {pts[b]:.1f} | {pts[b] * b:.0f} | {pts[b] / pts[min(pts)]:.2f} | {pts[b] / limit:.2f} |")

@@ -3,7 +3,8 @@
 //! On CPU, quantized weights of a type with a kernel in [`crate::kernels`] (Q4_0, Q4_1, Q5_0,
 //! Q5_1, Q8_0, Q4_K, Q6_K) go through it, reading the QTensor's blocks in place (no copy).
 //! Everything else (other GGUF types, dense F32/F16/BF16 checkpoints, non-CPU devices) uses
-//! candle's `QMatMul`; the CPU fallback for a quantized type is logged once per type.
+//! candle's `QMatMul`; the CPU fallback for a quantized type is logged once per type. Dense
+//! weights in bf16/f16 (kept so on GPUs) multiply in their own type; activations stay f32.
 //!
 //! `Linear` derefs to the wrapped `QMatMul`, so code that wants candle's type (e.g. to slice
 //! rows of the LM head) still can.
@@ -107,6 +108,14 @@ impl Linear {
         Self::from_qmatmul(QMatMul::Tensor(w))
     }
 
+    /// The element type of dense weights (None for quantized ones).
+    pub fn dense_dtype(&self) -> Option<DType> {
+        match &self.inner {
+            QMatMul::Tensor(w) => Some(w.dtype()),
+            _ => None,
+        }
+    }
+
     /// Whether calls go through [`crate::kernels`].
     pub fn uses_kernel(&self) -> bool {
         self.kernel.is_some()
@@ -122,7 +131,15 @@ impl Linear {
                     x.contiguous()?.apply_op1_no_bwd(op)
                 }
             }
-            _ => self.inner.forward(x),
+            _ => match &self.inner {
+                // Half-precision weights on a GPU (dense checkpoints keep their bf16/f16 there):
+                // the product in the weights' type, f32 in and out.
+                QMatMul::Tensor(w) if w.dtype() != x.dtype() => self
+                    .inner
+                    .forward(&x.to_dtype(w.dtype())?)?
+                    .to_dtype(x.dtype()),
+                _ => self.inner.forward(x),
+            },
         }
     }
 }
@@ -266,5 +283,30 @@ impl CustomOp1 for KernelOp {
         let mut shape = dims.to_vec();
         *shape.last_mut().expect("rank >= 1") = self.n;
         Ok((CpuStorage::F32(out), Shape::from(shape)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Half-precision dense weights (how a bf16 checkpoint stays on a GPU) take f32 inputs and
+    /// give f32 outputs: the product of the same (bf16-exact) weights up to bf16 input rounding.
+    #[test]
+    fn half_precision_dense_weights_take_and_give_f32() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (24, 64), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let x = Tensor::randn(0f32, 1.0, (3, 64), &dev).unwrap();
+        let half = Linear::dense(w.clone());
+        let full = Linear::dense(w.to_dtype(DType::F32).unwrap());
+        assert_eq!(half.dense_dtype(), Some(DType::BF16));
+        let (a, b) = (half.forward(&x).unwrap(), full.forward(&x).unwrap());
+        assert_eq!(a.dtype(), DType::F32);
+        assert_eq!(a.dims(), &[3, 24]);
+        let d = crate::testutil::max_abs_diff(&a, &b);
+        assert!(d > 0.0 && d < 0.5, "bf16 product vs f32: {d}");
     }
 }

@@ -277,13 +277,28 @@ pub fn load_hf(
             .to_dtype(DType::F32)
             .map_err(Into::into)
     };
+    // Layer matrices: f32 on the CPU (its kernels and candle's CPU matmul want f32); on a GPU
+    // a bf16/f16 checkpoint stays in its type (half the bytes per step, tensor cores), like
+    // vLLM's `--dtype auto`. Embeddings, norms and the LM head are f32 everywhere.
+    let keep = |t: Tensor| -> Result<Tensor> {
+        Ok(match t.dtype() {
+            DType::BF16 | DType::F16 if !device.is_cpu() => t,
+            _ => t.to_dtype(DType::F32)?,
+        })
+    };
+    let matrix =
+        |name: &str| -> Result<Tensor> {
+            keep(st.load(name, device).with_context(|| {
+                format!("{}: missing or unreadable tensor '{name}'", dir.display())
+            })?)
+        };
     let has = |name: &str| st.get(name).is_ok();
     // Gemma stores norm weights as offsets from 1.
     let norm = |name: &str| -> Result<Tensor> {
         let t = get(name)?;
         Ok(if gemma { (t + 1.0)? } else { t })
     };
-    let lin = |name: &str| -> Result<Linear> { Ok(Linear::dense(get(name)?)) };
+    let lin = |name: &str| -> Result<Linear> { Ok(Linear::dense(matrix(name)?)) };
     let total = cfg.num_layers + 2;
     let embed = get("model.embed_tokens.weight")?;
     progress(1, total);
@@ -330,10 +345,17 @@ pub fn load_hf(
     }
     check_layer_flags(dir, cfg, &layers)?;
     let final_norm = norm("model.norm.weight")?;
+    // The LM head stays f32 on every device: logits (and the logprobs users get) at full
+    // precision, and greedy ties not decided by bf16 rounding (6 % of an 8B model's bytes).
     let lm_head = if has("lm_head.weight") {
-        lin("lm_head.weight")?
+        Linear::dense(get("lm_head.weight")?)
     } else {
         Linear::dense(embed.clone())
+    };
+    let dtype = match layers.first().map(|l| l.wq.dense_dtype()) {
+        Some(Some(DType::BF16)) => "bf16",
+        Some(Some(DType::F16)) => "f16",
+        _ => "f32",
     };
     progress(total, total);
     Ok(Weights {
@@ -341,6 +363,6 @@ pub fn load_hf(
         layers,
         final_norm,
         lm_head,
-        dtype: "f32".into(),
+        dtype: dtype.into(),
     })
 }
