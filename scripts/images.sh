@@ -124,6 +124,18 @@ build_one() {
     *) die "unknown image $name" ;;
   esac
   local ctx; ctx="$(stage "$name" "$bin")"
+  if [ "$name" != operator ]; then
+    # The shipped drafters (those whose manifest names the models they serve), found by
+    # `serve` without --speculation in /usr/share/dspark/drafters.
+    rm -rf "$ctx/drafters"; mkdir -p "$ctx/drafters"
+    local d
+    for d in drafters/*/; do
+      grep -q '"target_models"' "$d/manifest.json" 2>/dev/null || continue
+      mkdir -p "$ctx/drafters/$(basename "$d")"
+      cp "$d"/{config.json,manifest.json,model.safetensors} "$ctx/drafters/$(basename "$d")/"
+    done
+    touch -d @0 "$ctx/drafters" "$ctx"/drafters/* "$ctx"/drafters/*/*
+  fi
   if [ "$name" = engine-cuda ]; then
     # The CUDA runtime libraries cudarc links, from the toolkit wheels (hard links: no copy).
     local lib; lib="$(eval "$(scripts/cuda-build.sh env)"; echo "$CUDA_ROOT/lib")"

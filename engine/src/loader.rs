@@ -7,7 +7,7 @@ use crate::model::{Model, ModelSource};
 use crate::tokenizer::TextTokenizer;
 use anyhow::{Context, Result};
 use candle_core::Device;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub fn device(name: &str) -> Result<Device> {
     match name {
@@ -88,6 +88,72 @@ pub fn parse_kv_dtype(s: &str) -> Result<candle_core::DType> {
         "f32" | "fp32" | "float32" | "float" => Ok(candle_core::DType::F32),
         other => anyhow::bail!("--kv-cache-dtype must be f16 or f32, got '{other}'"),
     }
+}
+
+/// Where shipped drafters are looked for: `--drafters` (folders separated by ':'), else
+/// `/usr/share/dspark/drafters` (where the engine images put them).
+pub fn drafter_search_path(arg: Option<&str>) -> Vec<PathBuf> {
+    match arg {
+        Some(v) if !v.trim().is_empty() => std::env::split_paths(v.trim()).collect(),
+        _ => vec![PathBuf::from(SHIPPED_DRAFTERS)],
+    }
+}
+
+/// The folder the engine images ship their drafters in.
+pub const SHIPPED_DRAFTERS: &str = "/usr/share/dspark/drafters";
+
+/// The first drafter checkpoint among `dirs` (each a drafter folder or a folder of them,
+/// in name order) whose `manifest.json` lists, in `target_models`, a name that one of
+/// `model_names` contains (case-insensitive: `SmolLM2-135M-Instruct` matches the file
+/// `SmolLM2-135M-Instruct.Q4_1.gguf` and `hf://HuggingFaceTB/SmolLM2-135M-Instruct`), with
+/// its speculation kind. Folders that do not exist or do not parse are skipped.
+pub fn shipped_drafter(
+    dirs: &[PathBuf],
+    model_names: &[&str],
+) -> Option<(PathBuf, crate::speculative::Speculation)> {
+    let names: Vec<String> = model_names.iter().map(|n| n.to_lowercase()).collect();
+    let fits = |d: &Path| -> bool {
+        let Ok(text) = std::fs::read_to_string(d.join("manifest.json")) else {
+            return false;
+        };
+        let Ok(m) = serde_json::from_str::<serde_json::Value>(&text) else {
+            tracing::warn!("{}: manifest.json does not parse; skipped", d.display());
+            return false;
+        };
+        m.get("target_models")
+            .and_then(|t| t.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t.as_str())
+            .map(str::to_lowercase)
+            .any(|t| !t.is_empty() && names.iter().any(|n| n.contains(&t)))
+    };
+    for dir in dirs {
+        let mut candidates = vec![dir.clone()];
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            let mut subs: Vec<PathBuf> = rd
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_dir())
+                .collect();
+            subs.sort();
+            candidates.extend(subs);
+        }
+        for c in candidates {
+            if fits(&c) {
+                match drafter_kind(&c) {
+                    Ok(kind) => return Some((c, kind)),
+                    Err(e) => tracing::warn!("{}: not a drafter checkpoint: {e:#}", c.display()),
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The draft block size of a drafter checkpoint folder.
+pub fn drafter_block_size(path: &Path) -> Result<usize> {
+    let (_, cfg) = crate::speculative::dspark::DSparkDrafter::read_config(path)?;
+    Ok(cfg.block_size.max(1))
 }
 
 /// The speculation kind of a drafter checkpoint folder, from its head type.
@@ -178,4 +244,45 @@ pub fn build_drafter(
         model: drafter,
         kv,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speculative::Speculation;
+
+    /// Folders given to --drafters: a drafter folder itself or a folder of them, matched by
+    /// the `target_models` of their manifests against the model's names, case-insensitively.
+    #[test]
+    fn shipped_drafters_match_the_models_their_manifests_name() {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../drafters");
+        let one = shipped.join("smollm2-135m-dspark-markov");
+        let names = ["SmolLM2-135M-Instruct.Q4_1", "smollm2"];
+        let found = |dirs: &[PathBuf], names: &[&str]| shipped_drafter(dirs, names);
+        assert_eq!(
+            found(std::slice::from_ref(&shipped), &names),
+            Some((one.clone(), Speculation::DSparkMarkov))
+        );
+        assert_eq!(
+            found(
+                std::slice::from_ref(&one),
+                &["hf-org/smollm2-135m-instruct@abc"]
+            ),
+            Some((one.clone(), Speculation::DSparkMarkov))
+        );
+        // Another model of the family, a missing folder: none.
+        assert_eq!(
+            found(std::slice::from_ref(&shipped), &["SmolLM2-360M-Instruct"]),
+            None
+        );
+        assert_eq!(found(&[PathBuf::from("/nonexistent")], &names), None);
+        assert_eq!(
+            drafter_search_path(Some("/a:/b")),
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
+        assert_eq!(
+            drafter_search_path(Some(" ")),
+            vec![PathBuf::from(SHIPPED_DRAFTERS)]
+        );
+    }
 }

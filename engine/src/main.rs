@@ -192,21 +192,30 @@ struct ServeArgs {
     #[arg(long = flags::DRAIN_TIMEOUT_SECS, default_value_t = 30)]
     drain_timeout_secs: u64,
     /// Drafter for speculative decoding: none | ngram (prompt lookup) | parallel (DFlash
-    /// baseline) | dspark-markov | dspark-rnn.
-    #[arg(long = flags::SPECULATION, default_value = "none")]
-    speculation: String,
+    /// baseline) | dspark-markov | dspark-rnn. Default: the head of --drafter when given, else
+    /// the model's shipped drafter when --drafters holds one (with --policy dspark unless
+    /// --policy says otherwise), else none.
+    #[arg(long = flags::SPECULATION)]
+    speculation: Option<String>,
+    /// Where shipped drafters are looked for when --speculation is not given: folders
+    /// separated by ':', each a drafter checkpoint or a folder of them; a drafter serves the
+    /// models its manifest.json lists in `target_models`.
+    #[arg(long, env = cenv::DRAFTERS, default_value = dspark_engine::loader::SHIPPED_DRAFTERS)]
+    drafters: String,
     /// DSpark drafter checkpoint folder (config.json + model.safetensors), local or remote
     /// like --model. Without it, the model drafters start untrained (random weights).
     #[arg(long = flags::DRAFTER)]
     drafter: Option<String>,
     /// How many draft tokens each request verifies: fixed (always gamma) | threshold
     /// (the prefix whose survival stays above --threshold) | dspark (the load-aware
-    /// scheduler maximising tau * SPS(B) with the cost table).
-    #[arg(long = flags::POLICY, env = cenv::POLICY, default_value = "fixed")]
-    policy: String,
-    /// Draft block size (the longest block the scheduler may verify).
-    #[arg(long, env = cenv::GAMMA, default_value_t = 4)]
-    gamma: usize,
+    /// scheduler maximising tau * SPS(B) with the cost table). Default: dspark when the
+    /// drafter is chosen for you (no --speculation), fixed with an explicit --speculation.
+    #[arg(long = flags::POLICY, env = cenv::POLICY)]
+    policy: Option<String>,
+    /// Draft block size (the longest block the scheduler may verify). Default: the drafter's
+    /// own block size when the drafter is chosen for you (no --speculation), else 4.
+    #[arg(long, env = cenv::GAMMA)]
+    gamma: Option<usize>,
     /// Survival threshold of the threshold policy.
     #[arg(long, env = cenv::THRESHOLD, default_value_t = 0.5)]
     threshold: f32,
@@ -360,48 +369,55 @@ fn experiment_report(a: ReportArgs) -> Result<()> {
 
 fn serve(a: ServeArgs) -> Result<()> {
     loader::init_threads(a.threads);
-    let speculation = Speculation::parse(&a.speculation).with_context(|| {
-        format!(
-            "unknown --speculation '{}'; use none, ngram, parallel, dspark-markov or dspark-rnn",
-            a.speculation
-        )
-    })?;
-    anyhow::ensure!(a.gamma >= 1, "--gamma must be at least 1");
+    // No --speculation: the head of --drafter, or (once the model is loaded) its shipped
+    // drafter; either runs the dspark policy unless --policy is given.
+    let chosen = a.speculation.is_none();
+    let mut speculation = match &a.speculation {
+        Some(s) => Speculation::parse(s).with_context(|| {
+            format!(
+                "unknown --speculation '{s}'; use none, ngram, parallel, dspark-markov or dspark-rnn"
+            )
+        })?,
+        None => Speculation::None, // until the drafter is known (below)
+    };
+    let policy_name = a
+        .policy
+        .clone()
+        .unwrap_or_else(|| if chosen { "dspark" } else { "fixed" }.to_string());
+    let gamma = a.gamma.unwrap_or(4);
+    anyhow::ensure!(gamma >= 1, "--gamma must be at least 1");
     anyhow::ensure!(
         a.online_calibration.is_finite() && (0.0..=1.0).contains(&a.online_calibration),
         "--online-calibration must be a step between 0 (off) and 1, got {}",
         a.online_calibration
     );
-    let policy = match PolicyKind::parse(&a.policy) {
-        Some(PolicyKind::Fixed) => VerifyPolicy::Fixed { gamma: a.gamma },
+    let policy = match PolicyKind::parse(&policy_name) {
+        Some(PolicyKind::Fixed) => VerifyPolicy::Fixed { gamma },
         Some(PolicyKind::Threshold) => VerifyPolicy::Threshold {
-            gamma: a.gamma,
+            gamma,
             threshold: a.threshold,
         },
-        Some(PolicyKind::Dspark) => VerifyPolicy::Dspark { gamma: a.gamma },
-        None => anyhow::bail!(
-            "unknown --policy '{}'; use fixed, threshold or dspark",
-            a.policy
-        ),
+        Some(PolicyKind::Dspark) => VerifyPolicy::Dspark { gamma },
+        None => anyhow::bail!("unknown --policy '{policy_name}'; use fixed, threshold or dspark"),
     };
     anyhow::ensure!(
         (0.0..=1.0).contains(&a.threshold),
         "--threshold must be in [0, 1], got {}",
         a.threshold
     );
-    let experiment = match &a.policy_experiment {
+    let mut experiment = match &a.policy_experiment {
         None => None,
         Some(spec) => {
             anyhow::ensure!(
-                speculation != Speculation::None,
-                "--policy-experiment compares verify policies of a drafter: give --speculation (and --drafter)"
+                speculation != Speculation::None || (chosen && a.drafter.is_some()),
+                "--policy-experiment compares verify policies of a drafter: give --speculation or --drafter"
             );
             anyhow::ensure!(
                 a.experiment_window.is_finite() && a.experiment_window >= 1.0,
                 "--experiment-window must be at least 1 second, got {}",
                 a.experiment_window
             );
-            let arms = dspark_engine::experiment::parse_arms(spec, a.gamma)
+            let arms = dspark_engine::experiment::parse_arms(spec, gamma)
                 .map_err(|e| anyhow::anyhow!("--policy-experiment: {e}"))?;
             Some((arms, Duration::from_secs_f64(a.experiment_window)))
         }
@@ -425,6 +441,34 @@ fn serve(a: ServeArgs) -> Result<()> {
         .as_deref()
         .map(|d| source::resolve_arg(d, a.cache.clone(), a.revision_pins.as_deref()))
         .transpose()?;
+    let mut policy = policy;
+    if let (true, Some(d)) = (chosen, &drafter) {
+        speculation = loader::drafter_kind(&d.path)?;
+        if a.gamma.is_none() {
+            let g = loader::drafter_block_size(&d.path)?;
+            policy = policy.with_gamma(g);
+            if let (Some(spec), Some((arms, _))) = (&a.policy_experiment, experiment.as_mut()) {
+                *arms = dspark_engine::experiment::parse_arms(spec, g)
+                    .map_err(|e| anyhow::anyhow!("--policy-experiment: {e}"))?;
+            }
+        }
+    }
+    // Until a shipped drafter is found there is nothing to verify: no policy to profile for.
+    let (policy, shipped_drafter) = if chosen && drafter.is_none() {
+        let search = loader::drafter_search_path(Some(&a.drafters));
+        let plain = VerifyPolicy::Fixed { gamma };
+        let own_gamma = a.gamma.is_none();
+        (
+            plain,
+            Some(runtime::ShippedDrafter {
+                search,
+                policy,
+                own_gamma,
+            }),
+        )
+    } else {
+        (policy, None)
+    };
     let remote = model.revision.is_some();
     let (state, summary) = runtime::start(&AppOptions {
         model: model.path.clone(),
@@ -453,6 +497,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         drafter: drafter.map(|d| d.path),
         cost_table: a.cost_table.clone(),
         startup_profile: a.startup_profile,
+        shipped_drafter,
     })?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -31,6 +31,18 @@ pub struct AppOptions {
     /// Without `cost_table`, measure SPS(B) at start-up (a few seconds) instead of starting
     /// on the built-in default; only for the dspark policy, the one that reads the table.
     pub startup_profile: bool,
+    /// No speculation was asked for: serve with the shipped drafter of this model when one of
+    /// these folders holds one (see [`crate::loader::shipped_drafter`]), with this policy.
+    pub shipped_drafter: Option<ShippedDrafter>,
+}
+
+/// Where to look for a shipped drafter, and the verify policy to run it with.
+#[derive(Debug, Clone)]
+pub struct ShippedDrafter {
+    pub search: Vec<std::path::PathBuf>,
+    pub policy: crate::speculative::VerifyPolicy,
+    /// Verify up to the drafter's own block size (no `--gamma` was given).
+    pub own_gamma: bool,
 }
 
 /// Measures a small SPS(B) table on the serving model and KV cache (verify-shaped steps:
@@ -145,21 +157,57 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         kv.total_blocks(),
         max_seq,
     );
+    let mut engine_cfg = opts.engine.clone();
     let mut drafter = build_drafter(
-        opts.engine.speculation,
+        engine_cfg.speculation,
         opts.drafter.as_deref(),
-        opts.engine.policy.gamma(),
+        engine_cfg.policy.gamma(),
         &model,
         kv.capacity_tokens(),
         opts.kv_block_size,
     )?;
+    if let (None, Some(auto)) = (&drafter, &opts.shipped_drafter) {
+        let names = [model.id.as_str(), model_id.as_str()];
+        if let Some((path, kind)) = crate::loader::shipped_drafter(&auto.search, &names) {
+            let policy = match crate::loader::drafter_block_size(&path) {
+                Ok(g) if auto.own_gamma => auto.policy.with_gamma(g),
+                _ => auto.policy.clone(),
+            };
+            // A shipped drafter that does not load on this model is reported and skipped:
+            // the server still starts, without speculation.
+            match build_drafter(
+                kind,
+                Some(&path),
+                policy.gamma(),
+                &model,
+                kv.capacity_tokens(),
+                opts.kv_block_size,
+            ) {
+                Ok(d) => {
+                    tracing::info!(
+                        drafter = %path.display(),
+                        speculation = kind.flag(),
+                        policy = policy.name(),
+                        gamma = policy.gamma(),
+                        "no --speculation: serving with the model's shipped drafter (--speculation none turns it off)"
+                    );
+                    (engine_cfg.speculation, engine_cfg.policy, drafter) = (kind, policy, d);
+                }
+                Err(e) => tracing::warn!(
+                    drafter = %path.display(),
+                    "the shipped drafter does not load on this model; serving without speculation: {e:#}"
+                ),
+            }
+        }
+    }
+    let opts_engine = &engine_cfg;
     if let Some(p) = &opts.cost_table {
         costs.watch_file(p, std::time::Duration::from_secs(1))?;
     } else if opts.startup_profile
         && (matches!(
-            opts.engine.policy,
+            opts_engine.policy,
             crate::speculative::VerifyPolicy::Dspark { .. }
-        ) || opts.engine.experiment.as_ref().is_some_and(|(arms, _)| {
+        ) || opts_engine.experiment.as_ref().is_some_and(|(arms, _)| {
             arms.iter().any(|a| {
                 matches!(
                     a.policy,
@@ -172,7 +220,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             &model,
             &mut kv,
             drafter.as_mut(),
-            opts.engine.policy.gamma(),
+            opts_engine.policy.gamma(),
             &costs,
             &device_name(&device),
         )?;
@@ -183,7 +231,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         model.clone(),
         tok.clone(),
         kv,
-        opts.engine.clone(),
+        engine_cfg.clone(),
         metrics.clone(),
         costs.clone(),
     );
@@ -206,8 +254,8 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         target_model_id: model.id.clone(),
         device: device_name(&model.device),
         costs,
-        speculation: opts.engine.speculation.flag().to_string(),
-        policy: match &opts.engine.experiment {
+        speculation: opts_engine.speculation.flag().to_string(),
+        policy: match &opts_engine.experiment {
             Some((arms, _)) => format!(
                 "experiment:{}",
                 arms.iter()
@@ -215,7 +263,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-            None => opts.engine.policy.name().to_string(),
+            None => opts_engine.policy.name().to_string(),
         },
         tok,
         template,
@@ -230,7 +278,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             .map(|d| d.as_secs())
             .unwrap_or(0),
         ready_details: std::sync::RwLock::new(serde_json::json!({
-            "gamma": opts.engine.policy.gamma(),
+            "gamma": opts_engine.policy.gamma(),
         })),
         experiment,
     });

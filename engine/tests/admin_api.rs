@@ -44,6 +44,7 @@ fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: b
         drafter: None,
         cost_table: None,
         startup_profile,
+        shipped_drafter: None,
     })
     .expect("engine starts");
     Engine {

@@ -39,6 +39,7 @@ fn start_state(
         drafter,
         cost_table: None,
         startup_profile: false,
+        shipped_drafter: None,
     })
     .expect("engine starts");
     state

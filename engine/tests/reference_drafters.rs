@@ -360,6 +360,7 @@ fn serve_greedy(
         drafter,
         cost_table: None,
         startup_profile: false,
+        shipped_drafter: None,
     })
     .unwrap();
     // A flat cost table (verifying more tokens is free, drafting nearly so): the dspark

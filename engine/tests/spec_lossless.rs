@@ -169,6 +169,7 @@ fn start_with(
         drafter,
         cost_table: None,
         startup_profile: false,
+        shipped_drafter: None,
     })
     .unwrap();
     if let Some(t) = table {

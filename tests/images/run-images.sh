@@ -78,7 +78,7 @@ path, model, tmp, port, *binds = sys.argv[1:]
 s = json.load(open(path))
 p = s["process"]
 p["terminal"] = False
-p["args"] = ["dspark-engine", "serve", "--model", "/models/model.gguf",
+p["args"] = ["dspark-engine", "serve", "--model", "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
              "--host", "127.0.0.1", "--port", port]
 p["user"] = {"uid": 65532, "gid": 65532}
 p["cwd"] = "/"
@@ -90,7 +90,7 @@ s["root"]["readonly"] = True
 s["hostname"] = "engine"
 s["mounts"] = [m for m in s["mounts"] if m["destination"] != "/tmp"] + [
     {"destination": "/tmp", "type": "bind", "source": tmp, "options": ["rbind", "rw"]},
-    {"destination": "/models/model.gguf", "type": "bind", "source": model, "options": ["rbind", "ro"]},
+    {"destination": "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "type": "bind", "source": model, "options": ["rbind", "ro"]},
 ] + [{"destination": b.split(":", 1)[1], "type": "bind", "source": b.split(":", 1)[0],
       "options": ["rbind", "ro"]} for b in binds]
 # Host network namespace, as the test kubelet's pods have (loopback pod IPs).
@@ -116,12 +116,16 @@ RESP="$(curl -fsS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'content-type:
   { tail -n 30 "$WORK/engine.log" >&2; die "completion failed"; }
 python3 -c 'import json,sys; r=json.loads(sys.argv[1]); t=r["choices"][0]["message"]["content"]; assert r["usage"]["completion_tokens"]>0 and t, r; print("[images-test] completion:", repr(t))' "$RESP" ||
   die "bad completion: $RESP"
+# No --speculation: the image's shipped drafter for this model (/usr/share/dspark/drafters).
+READY="$(curl -fsS "http://127.0.0.1:$PORT/ready")" || die "no /ready"
+python3 -c 'import json,sys; r=json.loads(sys.argv[1]); assert (r["speculation"], r["policy"]) == ("dspark-markov", "dspark"), r' "$READY" ||
+  die "the engine image did not serve its shipped drafter by default: $READY"
 # Inside: uid 65532, root read-only, /tmp writable (the volume).
 "${RT[@]}" state "$CTR" | grep -q '"status": "running"' || die "container not running"
 PID="$("${RT[@]}" state "$CTR" | python3 -c 'import json,sys; print(json.load(sys.stdin)["pid"])')"
 [ "$(awk '/^Uid:/ { print $2 }' "/proc/$PID/status")" = 65532 ] || die "engine not running as 65532"
 grep -E '^[^ ]+ / ' "/proc/$PID/mounts" | grep -q '[ ,]ro[ ,]' || die "root file system not read-only"
-log "engine image served /health and a completion as uid 65532 on a read-only root ($((SECONDS - T0))s)"
+log "engine image served /health and a completion as uid 65532 on a read-only root, with its shipped drafter ($((SECONDS - T0))s)"
 "${RT[@]}" kill "$CTR" TERM 2>/dev/null || true
 wait "$RPID" 2>/dev/null || true
 

@@ -111,3 +111,108 @@ def test_eval_prompts_stay_out_of_the_training_prompts():
     for name in ["code.jsonl", "math.jsonl", "chat.jsonl"]:
         for p in prompts(here / name):
             assert norm(p) not in train, f"eval prompt in the training set: {p[:80]}"
+
+
+# Serving with no --speculation: the model's shipped drafter, found through --drafters by the
+# `target_models` its manifest lists, runs with the dspark policy at its own block size;
+# `--speculation none` turns it off; a drafter for another model, or one that does not load on
+# this model, leaves the server plain (and starting).
+
+def test_manifest_names_the_models_it_serves():
+    assert "SmolLM2-135M-Instruct" in manifest()["target_models"]
+
+
+def serve(args, name):
+    from engine_proc import start_engine
+    return start_engine(["--startup-profile", "false", *args], f"dspark-shipped-{name}.log")
+
+
+def get(url, path):
+    import urllib.request
+    with urllib.request.urlopen(url + path, timeout=30) as r:
+        body = r.read().decode()
+    return json.loads(body) if path != "/metrics" else body
+
+
+def complete(url, prompt):
+    import urllib.request
+    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": 48,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def drafted(url):
+    text = get(url, "/metrics")
+    return sum(float(l.split()[-1]) for l in text.splitlines()
+               if l.startswith("dspark_spec_decode_num_draft_tokens_total"))
+
+
+PROMPTS = ["def fibonacci(n):", "The three primary colors are", "Question: What is 12 * 7?\nAnswer:"]
+
+
+def test_no_speculation_flag_serves_the_shipped_drafter_losslessly():
+    outs = {}
+    for name, args in [("auto", ["--drafters", str(DRAFTER.parent)]),
+                       ("off", ["--drafters", str(DRAFTER.parent), "--speculation", "none"])]:
+        proc, url, _ = serve(args, name)
+        try:
+            ready = get(url, "/ready")
+            outs[name] = [complete(url, p) for p in PROMPTS]
+            outs[name + "-drafted"] = drafted(url)
+        finally:
+            proc.kill()
+            proc.wait()
+        if name == "auto":
+            assert ready["speculation"] == "dspark-markov", ready
+            assert ready["policy"] == "dspark", ready
+            assert ready["gamma"] == config()["block_size"], ready
+        else:
+            assert ready["speculation"] == "none", ready
+    assert outs["auto-drafted"] > 0, "the shipped drafter proposed nothing"
+    assert outs["off-drafted"] == 0
+    assert outs["auto"] == outs["off"], "speculation changed greedy output"
+
+
+def test_drafters_for_other_models_or_that_do_not_load_leave_the_server_plain(tmp_path):
+    other = tmp_path / "other" / "some-drafter"
+    other.mkdir(parents=True)
+    for f in ["config.json", "model.safetensors"]:
+        (other / f).symlink_to(DRAFTER / f)
+    m = manifest()
+    m["target_models"] = ["Qwen3-8B"]
+    (other / "manifest.json").write_text(json.dumps(m))
+    # Names this model, but its config does not fit it (another hidden size): refused at load.
+    broken = tmp_path / "broken" / "smollm2-wrong-shape"
+    broken.mkdir(parents=True)
+    c = config()
+    c["hidden_size"] = 960
+    (broken / "config.json").write_text(json.dumps(c))
+    (broken / "model.safetensors").symlink_to(DRAFTER / "model.safetensors")
+    (broken / "manifest.json").write_text(json.dumps(manifest()))
+    for name, folder in [("other", other.parent), ("broken", broken.parent)]:
+        proc, url, log = serve(["--drafters", str(folder)], name)
+        try:
+            ready = get(url, "/ready")
+            assert ready["speculation"] == "none", (name, ready)
+            assert complete(url, PROMPTS[0])
+        finally:
+            proc.kill()
+            proc.wait()
+        if name == "broken":
+            assert "does not load on this model" in Path(log).read_text()
+
+
+def test_a_drafter_without_speculation_flag_runs_its_own_head_and_block():
+    proc, url, _ = serve(["--drafter", str(DRAFTER), "--drafters", "/nonexistent"], "explicit")
+    try:
+        ready = get(url, "/ready")
+        assert complete(url, PROMPTS[1])
+        assert drafted(url) > 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (ready["speculation"], ready["policy"]) == ("dspark-markov", "dspark"), ready
+    assert ready["gamma"] == config()["block_size"], ready

@@ -88,6 +88,8 @@ pub mod env {
     pub const COST_TABLE: &str = "DSPARK_COST_TABLE";
     /// `--kv-cache-dtype`.
     pub const KV_CACHE_DTYPE: &str = "DSPARK_KV_CACHE_DTYPE";
+    /// `--drafters` (where shipped drafters are looked for).
+    pub const DRAFTERS: &str = "DSPARK_DRAFTERS";
 }
 
 /// Which drafter an engine runs (`--speculation`).

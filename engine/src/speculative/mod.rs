@@ -86,6 +86,18 @@ impl VerifyPolicy {
         }
     }
 
+    /// The same policy with another block size.
+    pub fn with_gamma(&self, g: usize) -> Self {
+        match self.clone() {
+            VerifyPolicy::Fixed { .. } => VerifyPolicy::Fixed { gamma: g },
+            VerifyPolicy::Threshold { threshold, .. } => VerifyPolicy::Threshold {
+                gamma: g,
+                threshold,
+            },
+            VerifyPolicy::Dspark { .. } => VerifyPolicy::Dspark { gamma: g },
+        }
+    }
+
     /// The policy's kind (its `--policy` name is the contract's [`PolicyKind::flag`]).
     pub fn kind(&self) -> PolicyKind {
         match self {
