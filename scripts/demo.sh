@@ -6,18 +6,12 @@ cd "$(dirname "$0")/.."
 MODEL="$1"; PORT="${2:-8000}"
 BIN="${DSPARK_ENGINE_BIN:-target/release/dspark-engine}"
 LOG="$(mktemp -t dspark-demo.XXXXXX.log)"
-# The shipped trained drafter of this model, if any (drafters/<model-id>-*): DSpark
-# speculation with it by default. DEMO_SPECULATION=none (or ngram, ...) overrides.
-SPEC=()
-case "$(basename "$MODEL")" in
-  SmolLM2-135M-Instruct*) DRAFTER=drafters/smollm2-135m-dspark-markov ;;
-  *) DRAFTER= ;;
-esac
+# Speculation as `serve` picks it by default: the model's shipped drafter from drafters/
+# (found by the `target_models` of its manifest), the dspark policy, the drafter's own block.
+# DEMO_SPECULATION=none (or ngram, ...) overrides.
+SPEC=(--drafters drafters)
 if [ -n "${DEMO_SPECULATION:-}" ]; then
   SPEC=(--speculation "$DEMO_SPECULATION")
-elif [ -n "$DRAFTER" ] && [ -f "$DRAFTER/model.safetensors" ]; then
-  SPEC=(--speculation dspark-markov --drafter "$DRAFTER" --policy dspark --gamma 3)
-  echo "speculative decoding with the shipped drafter $DRAFTER (DEMO_SPECULATION=none to disable)"
 fi
 "$BIN" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" "${SPEC[@]}" >"$LOG" 2>&1 &
 PID=$!
@@ -27,7 +21,8 @@ for _ in $(seq 1 600); do
   kill -0 $PID 2>/dev/null || { cat "$LOG"; echo "engine failed to start"; exit 1; }
   sleep 0.2
 done
-grep -m1 "serving" "$LOG" || true
+grep -m1 "^dspark-engine .* serving" "$LOG" || true
+curl -s "http://127.0.0.1:$PORT/ready" | python3 -c 'import json,sys; r=json.load(sys.stdin); print("speculation:", r["speculation"], "| policy:", r["policy"], "| block:", r.get("gamma"), "(DEMO_SPECULATION=none to disable)" if r["speculation"] != "none" else "")' || true
 REQ='{"model":"default","messages":[{"role":"user","content":"Write a Python function that checks whether a number is prime."}],"max_tokens":120,"temperature":0}'
 echo
 echo "Sample request: $REQ"
