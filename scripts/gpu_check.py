@@ -10,8 +10,9 @@ model's vocabulary), then, with one dspark-engine binary built with `--features 
   2. `dspark-engine profile --device cuda` on the 8B shape: decode tok/s (SPS(1)) and SPS(B)
      for B = 1..128, against the memory-bandwidth limit (weight bytes read per step / the GPU's
      bandwidth), and verify-shaped steps (4 tokens per sequence) for B = 1..64.
-  3. Greedy losslessness of speculation on CUDA: the small shape with `--speculation ngram`
-     must give exactly the tokens of `--speculation none`.
+  3. Greedy losslessness of speculation on CUDA: the small shape with `--speculation ngram`,
+     and with `dspark-markov` (an untrained drafter: its forward and the verification run on
+     the device), must give exactly the tokens of `--speculation none`.
 Writes $OUT/gpu-check.md (and gpu-check.json). GPU_CHECK_DEVICE=cpu and GPU_CHECK_SHAPES=tiny
 make a dry run of the whole path on a machine without a GPU (that run compares CPU with CPU).
 """
@@ -189,18 +190,21 @@ def agreement(bin, model, gpu, logdir, n, tokens, vocab):
     return rows
 
 
-def lossless(bin, model, gpu, logdir, n, tokens, vocab):
+def lossless(bin, model, gpu, logdir, n, tokens, vocab, spec="ngram"):
+    """Greedy texts of `--speculation spec` against `none`: (identical, prompts, (drafted,
+    accepted)). `dspark-markov` without --drafter runs an untrained drafter: its blocks are
+    rarely accepted, but the drafter's forward and the verification run on the device."""
     ps = prompts(n, vocab)
     outs, drafted = {}, (0, 0)
-    for spec in ("none", "ngram"):
-        with Server(bin, model, gpu, spec, logdir, f"{spec}-{gpu.replace(':', '')}") as s:
-            outs[spec] = [s.complete(p, tokens)["text"] for p in ps]
-            if spec == "ngram":
+    for sp in ("none", spec):
+        with Server(bin, model, gpu, sp, logdir, f"{sp}-{gpu.replace(':', '')}") as s:
+            outs[sp] = [s.complete(p, tokens)["text"] for p in ps]
+            if sp == spec:
                 drafted = (s.counter("dspark_spec_decode_num_draft_tokens_total"),
                            s.counter("dspark_spec_decode_num_accepted_tokens_total"))
     if drafted[0] == 0:
-        raise RuntimeError("the n-gram drafter proposed nothing: the verify path did not run")
-    return sum(a == b for a, b in zip(outs["none"], outs["ngram"])), len(ps), drafted
+        raise RuntimeError(f"the {spec} drafter proposed nothing: the verify path did not run")
+    return sum(a == b for a, b in zip(outs["none"], outs[spec])), len(ps), drafted
 
 
 def profile(bin, model, gpu, logdir, batches, tokens_per_seq=1):
@@ -266,6 +270,13 @@ def main():
             md += [f"## Greedy losslessness on {a.device}: `--speculation ngram` vs `none`, {small} shape", "",
                    f"{ll[0]} of {ll[1]} completions (48 tokens each) identical; the drafter proposed "
                    f"{ll[2][0]:.0f} tokens, {ll[2][1]:.0f} accepted.", ""]
+        dl = step("DSpark drafter lossless", lambda: lossless(a.bin, small_dir, a.device, a.out, 4, 32, vocab_small, "dspark-markov"))
+        if dl:
+            report["lossless_dspark"] = {"identical": dl[0], "prompts": dl[1], "draft_tokens": dl[2][0],
+                                         "accepted_tokens": dl[2][1]}
+            md += [f"## Greedy losslessness on {a.device}: `--speculation dspark-markov` (untrained drafter) vs `none`, {small} shape", "",
+                   f"{dl[0]} of {dl[1]} completions (32 tokens each) identical; the drafter proposed "
+                   f"{dl[2][0]:.0f} tokens, {dl[2][1]:.0f} accepted.", ""]
         shutil.rmtree(small_dir, ignore_errors=True)
     if big:
         big_dir = os.path.join(a.work, big)
@@ -308,7 +319,8 @@ def main():
     open(os.path.join(a.out, "gpu-check.md"), "w").write("\n".join(md) + "\n")
     json.dump(report, open(os.path.join(a.out, "gpu-check.json"), "w"), indent=1)
     print("\n".join(md))
-    ok = not failed and report.get("lossless", {}).get("identical") == report.get("lossless", {}).get("prompts")
+    ok = not failed and all(report.get(k, {}).get("identical") == report.get(k, {}).get("prompts")
+                            for k in ("lossless", "lossless_dspark"))
     sys.exit(0 if ok else 1)
 
 

@@ -25,6 +25,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert a["max_abs_logprob_diff"] == 0.0
     ll = report["lossless"]
     assert ll["identical"] == ll["prompts"] == 6 and ll["draft_tokens"] > 0
+    dl = report["lossless_dspark"]
+    assert dl["identical"] == dl["prompts"] == 4 and dl["draft_tokens"] > 0
     assert sorted(int(b) for b in report["profile"]["sps"]) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert sorted(int(b) for b in report["profile_verify4"]["sps"]) == [1, 4, 16, 64]
     md = (tmp_path / "out" / "gpu-check.md").read_text()
