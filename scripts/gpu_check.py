@@ -263,20 +263,15 @@ def main():
                    "|---:|---:|---:|---:|"]
             md += [f"| {i} | {r[0]} | {r[1]} | {r[2]:.2e} |" for i, r in enumerate(rows)]
             md.append("")
-        ll = step("speculation lossless", lambda: lossless(a.bin, small_dir, a.device, a.out, 6, 48, vocab_small))
-        if ll:
-            report["lossless"] = {"identical": ll[0], "prompts": ll[1], "draft_tokens": ll[2][0],
-                                  "accepted_tokens": ll[2][1]}
-            md += [f"## Greedy losslessness on {a.device}: `--speculation ngram` vs `none`, {small} shape", "",
-                   f"{ll[0]} of {ll[1]} completions (48 tokens each) identical; the drafter proposed "
-                   f"{ll[2][0]:.0f} tokens, {ll[2][1]:.0f} accepted.", ""]
-        dl = step("DSpark drafter lossless", lambda: lossless(a.bin, small_dir, a.device, a.out, 4, 32, vocab_small, "dspark-markov"))
-        if dl:
-            report["lossless_dspark"] = {"identical": dl[0], "prompts": dl[1], "draft_tokens": dl[2][0],
-                                         "accepted_tokens": dl[2][1]}
-            md += [f"## Greedy losslessness on {a.device}: `--speculation dspark-markov` (untrained drafter) vs `none`, {small} shape", "",
-                   f"{dl[0]} of {dl[1]} completions (32 tokens each) identical; the drafter proposed "
-                   f"{dl[2][0]:.0f} tokens, {dl[2][1]:.0f} accepted.", ""]
+        for key, spec, n, tokens, what in [("lossless", "ngram", 6, 48, "ngram"),
+                                           ("lossless_dspark", "dspark-markov", 4, 32, "dspark-markov (untrained drafter)")]:
+            r = step(f"{spec} lossless", lambda: lossless(a.bin, small_dir, a.device, a.out, n, tokens, vocab_small, spec))
+            if r:
+                report[key] = {"identical": r[0], "prompts": r[1], "draft_tokens": r[2][0],
+                               "accepted_tokens": r[2][1]}
+                md += [f"## Greedy losslessness on {a.device}: `--speculation {what}` vs `none`, {small} shape", "",
+                       f"{r[0]} of {r[1]} completions ({tokens} tokens each) identical; the drafter proposed "
+                       f"{r[2][0]:.0f} tokens, {r[2][1]:.0f} accepted.", ""]
         shutil.rmtree(small_dir, ignore_errors=True)
     if big:
         big_dir = os.path.join(a.work, big)

@@ -725,27 +725,19 @@ mod tests {
             }))
             .collect();
         let q = Tensor::randn(0f32, 1.0, (26, nh, hd), &dev).unwrap();
+        let op_with = |batch: AttnBatch| PagedAttention {
+            seqs: std::sync::Arc::new(batch),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: bs,
+            scale: 0.25,
+            window,
+            causal,
+        };
         // Groups bounded so tightly that most sequences are alone: the same result.
-        let small = PagedAttention {
-            seqs: std::sync::Arc::new(AttnBatch::with_group_cells(seqs.clone(), 30)),
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            block_size: bs,
-            scale: 0.25,
-            window,
-            causal,
-        };
-        let op = PagedAttention {
-            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            block_size: bs,
-            scale: 0.25,
-            window,
-            causal,
-        };
+        let small = op_with(AttnBatch::with_group_cells(seqs.clone(), 30));
+        let op = op_with(AttnBatch::new(seqs));
         let maxdiff = |a: Tensor, b: Tensor| crate::testutil::max_abs_diff(&a, &b);
         let a = op.forward(&q, &kc, &vc).unwrap();
         let b = op.forward_generic(&q, &kc, &vc).unwrap();
