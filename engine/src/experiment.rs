@@ -6,7 +6,12 @@
 //!
 //! Switching happens between steps, so every step is verified under one policy and the
 //! output stays lossless. A sequence's drafter context is dropped when its arm turns
-//! speculation off (it decodes plainly to its end), which only ever favours `none`.
+//! speculation off (it decodes plainly to its end). So a window that turns speculation back on
+//! starts with sequences that cannot speculate: until the last of them finishes (or one window
+//! length has passed) the window is *settling*, and nothing of it is counted (its length is
+//! recorded as `unsettled_s`); its measured part, one window long, starts after. Every counted
+//! step thus runs the window's arm on all its sequences (before, such windows counted plain
+//! decoding as the speculating arm's, a bias towards `none` that grew with load).
 //!
 //! Per arm, exported as metrics (label `policy`): committed tokens, wall seconds, the
 //! integral of running requests over time (so tokens / running-seconds is the per-user
@@ -90,6 +95,10 @@ pub struct Window {
     pub running_seconds: f64,
     /// Requests that finished in the window.
     pub finished: u64,
+    /// Seconds before the measured part, while sequences of a `none` window that could not
+    /// speculate still ran (not counted in the other fields).
+    #[serde(default)]
+    pub unsettled_s: f64,
 }
 
 impl Window {
@@ -116,6 +125,10 @@ pub struct Experiment {
     started: Instant,
     last_tick: Instant,
     acc: Window,
+    /// Sequences of the previous arm that decode without a drafter in this speculating
+    /// window: while any runs (until `settle_by`), the window is settling.
+    carry: std::collections::HashSet<u64>,
+    settle_by: Option<Instant>,
     /// Finished windows, shared with the HTTP side.
     pub log: std::sync::Arc<std::sync::Mutex<Vec<Window>>>,
 }
@@ -129,6 +142,7 @@ impl Experiment {
             tokens: 0,
             running_seconds: 0.0,
             finished: 0,
+            unsettled_s: 0.0,
         };
         Self {
             arms,
@@ -138,8 +152,15 @@ impl Experiment {
             started: now,
             last_tick: now,
             acc,
+            carry: Default::default(),
+            settle_by: None,
             log: Default::default(),
         }
+    }
+
+    /// Whether the window is counting (not settling).
+    pub fn measuring(&self) -> bool {
+        self.settle_by.is_none()
     }
 
     /// The arm in force.
@@ -147,13 +168,22 @@ impl Experiment {
         &self.arms[self.current]
     }
 
-    /// Accounts the time since the last tick (returned, in seconds) with `running`
-    /// requests; when the window is over, closes it and switches to the next arm (the
-    /// second value says so; the caller switches the policy).
-    pub fn tick(&mut self, now: Instant, running: usize) -> (f64, Option<&Arm>) {
+    /// Accounts the time since the last tick with the `running` sequences (returns the
+    /// seconds counted: 0 while settling); when the window is over, closes it and switches to
+    /// the next arm (the second value says so; the caller switches the policy).
+    pub fn tick(&mut self, now: Instant, running: &[u64]) -> (f64, Option<&Arm>) {
         let dt = now.saturating_duration_since(self.last_tick).as_secs_f64();
         self.last_tick = now;
-        self.acc.running_seconds += dt * running as f64;
+        if let Some(by) = self.settle_by {
+            self.acc.unsettled_s += dt;
+            if self.carry.is_empty() || now >= by {
+                self.carry.clear();
+                self.settle_by = None;
+                self.started = now;
+            }
+            return (0.0, None);
+        }
+        self.acc.running_seconds += dt * running.len() as f64;
         if now.saturating_duration_since(self.started) < self.window {
             return (dt, None);
         }
@@ -168,10 +198,18 @@ impl Experiment {
                 tokens: 0,
                 running_seconds: 0.0,
                 finished: 0,
+                unsettled_s: 0.0,
             },
         );
         if let Ok(mut log) = self.log.lock() {
             log.push(done);
+        }
+        // Speculation back on: the running sequences lost their drafter context.
+        if self.arms[next].policy.is_some() && self.arms[self.current].policy.is_none() {
+            self.carry = running.iter().copied().collect();
+            if !self.carry.is_empty() {
+                self.settle_by = Some(now + self.window);
+            }
         }
         self.current = next;
         self.started = now;
@@ -180,12 +218,17 @@ impl Experiment {
 
     /// `n` tokens were committed to requests.
     pub fn tokens(&mut self, n: usize) {
-        self.acc.tokens += n as u64;
+        if self.measuring() {
+            self.acc.tokens += n as u64;
+        }
     }
 
-    /// A request finished.
-    pub fn finished(&mut self) {
-        self.acc.finished += 1;
+    /// Request `id` finished.
+    pub fn finished(&mut self, id: u64) {
+        self.carry.remove(&id);
+        if self.measuring() {
+            self.acc.finished += 1;
+        }
     }
 }
 
@@ -340,15 +383,17 @@ mod tests {
         let mut e = Experiment::new(arms, Duration::from_secs(10), t);
         assert_eq!(e.arm().label, "dspark");
         e.tokens(100);
-        assert_eq!(e.tick(t + Duration::from_secs(5), 2), (5.0, None));
-        let (dt, next) = e.tick(t + Duration::from_secs(10), 4);
+        assert_eq!(e.tick(t + Duration::from_secs(5), &[1, 2]), (5.0, None));
+        let (dt, next) = e.tick(t + Duration::from_secs(10), &[1, 2, 3, 4]);
         assert_eq!((dt, next.unwrap().label.as_str()), (5.0, "none"));
         e.tokens(50);
-        e.finished();
+        e.finished(1);
         assert_eq!(
-            e.tick(t + Duration::from_secs(20), 1).1.unwrap().label,
+            e.tick(t + Duration::from_secs(20), &[]).1.unwrap().label,
             "dspark"
         );
+        // Nothing ran into the speculating window: it measures at once.
+        assert!(e.measuring());
         let log = e.log.lock().unwrap().clone();
         assert_eq!(log.len(), 2);
         assert_eq!(log[0].arm, "dspark");
@@ -362,6 +407,42 @@ mod tests {
         assert!((log[1].start_s - 10.0).abs() < 1e-9);
     }
 
+    #[test]
+    fn a_window_turning_speculation_on_counts_only_once_the_plain_sequences_are_gone() {
+        let arms = parse_arms("none,dspark", 4).unwrap();
+        let t = Instant::now();
+        let s = |x: u64| t + Duration::from_secs(x);
+        let mut e = Experiment::new(arms, Duration::from_secs(10), t);
+        e.tick(s(5), &[7, 8]);
+        // none -> dspark with sequences 7 and 8 running (no drafter context any more).
+        assert_eq!(e.tick(s(10), &[7, 8]).1.unwrap().label, "dspark");
+        assert!(!e.measuring());
+        e.tokens(40);
+        e.finished(7);
+        assert_eq!(e.tick(s(12), &[8, 9]), (0.0, None));
+        e.finished(8);
+        // The last plain sequence is gone: this tick ends the settling...
+        assert_eq!(e.tick(s(13), &[9]), (0.0, None));
+        assert!(e.measuring());
+        e.tokens(100);
+        e.finished(9);
+        // ...and the measured part lasts one window from there.
+        assert_eq!(e.tick(s(20), &[10]), (7.0, None));
+        assert_eq!(e.tick(s(23), &[10]).1.unwrap().label, "none");
+        let log = e.log.lock().unwrap().clone();
+        let d = &log[1];
+        assert_eq!((d.arm.as_str(), d.tokens, d.finished), ("dspark", 100, 1));
+        assert!((d.seconds - 10.0).abs() < 1e-9 && (d.unsettled_s - 3.0).abs() < 1e-9);
+        assert!((d.running_seconds - 10.0).abs() < 1e-9, "{d:?}");
+        // A sequence that outlives the window length stops the wait there.
+        e.tick(s(33), &[11]);
+        assert!(!e.measuring());
+        e.tick(s(40), &[11]);
+        assert!(!e.measuring());
+        e.tick(s(43), &[11]);
+        assert!(e.measuring());
+    }
+
     fn w(arm: &str, tokens: u64, load: f64) -> Window {
         Window {
             arm: arm.into(),
@@ -370,6 +451,7 @@ mod tests {
             tokens,
             running_seconds: 10.0 * load,
             finished: 1,
+            unsettled_s: 0.0,
         }
     }
 

@@ -334,10 +334,12 @@ fn experiment_report(a: ReportArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&r)?);
         return Ok(());
     }
+    let unsettled: f64 = doc.windows.iter().map(|w| w.unsettled_s).sum();
     println!(
-        "{} windows ({} skipped as warm-up)\n",
+        "{} windows ({} skipped as warm-up; {:.0} s not counted while windows that turn speculation on settled)\n",
         doc.windows.len(),
-        a.skip.min(doc.windows.len())
+        a.skip.min(doc.windows.len()),
+        unsettled
     );
     println!("| arm | windows | committed tok/s | per-user tok/s | mean running |");
     println!("|---|---:|---:|---:|---:|");

@@ -631,7 +631,7 @@ impl Engine {
     fn finish(&mut self, s: &mut Seq, reason: FinishReason) {
         self.release(s);
         if let Some(e) = &mut self.experiment {
-            e.finished();
+            e.finished(s.id);
         }
         self.observe_finish(s, reason);
         let _ = s.req.events.send(Event::Finished {

@@ -35,12 +35,13 @@ impl Engine {
 
     /// Advances the experiment clock by one step and switches arms at a window's end.
     pub(super) fn experiment_tick(&mut self) {
-        let running = self.running.len();
+        let running: Vec<u64> = self.running.iter().map(|s| s.id).collect();
         let Some(e) = &mut self.experiment else {
             return;
         };
         let before = ExperimentMetrics::label(&e.arm().label);
-        let (dt, switched) = e.tick(Instant::now(), running);
+        let (dt, switched) = e.tick(Instant::now(), &running);
+        let running = running.len();
         let switched = switched.is_some();
         let m = &self.metrics.experiment;
         m.seconds.get_or_create(&before).inc_by(dt);
@@ -80,9 +81,11 @@ impl Engine {
     pub(super) fn observe_token(&mut self, i: usize, gap: Option<f64>) {
         let now = Instant::now();
         let s = &mut self.running[i];
-        let arm = self.experiment.as_mut().map(|e| {
+        // While a window settles (see [`crate::experiment`]) nothing is counted for its arm.
+        let arm = self.experiment.as_mut().and_then(|e| {
             e.tokens(1);
-            ExperimentMetrics::label(&e.arm().label)
+            e.measuring()
+                .then(|| ExperimentMetrics::label(&e.arm().label))
         });
         let em = &self.metrics.experiment;
         if let Some(a) = &arm {
