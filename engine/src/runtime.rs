@@ -200,14 +200,13 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             }
         }
     }
-    let opts_engine = &engine_cfg;
     if let Some(p) = &opts.cost_table {
         costs.watch_file(p, std::time::Duration::from_secs(1))?;
     } else if opts.startup_profile
         && (matches!(
-            opts_engine.policy,
+            engine_cfg.policy,
             crate::speculative::VerifyPolicy::Dspark { .. }
-        ) || opts_engine.experiment.as_ref().is_some_and(|(arms, _)| {
+        ) || engine_cfg.experiment.as_ref().is_some_and(|(arms, _)| {
             arms.iter().any(|a| {
                 matches!(
                     a.policy,
@@ -220,7 +219,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             &model,
             &mut kv,
             drafter.as_mut(),
-            opts_engine.policy.gamma(),
+            engine_cfg.policy.gamma(),
             &costs,
             &device_name(&device),
         )?;
@@ -254,8 +253,8 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         target_model_id: model.id.clone(),
         device: device_name(&model.device),
         costs,
-        speculation: opts_engine.speculation.flag().to_string(),
-        policy: match &opts_engine.experiment {
+        speculation: engine_cfg.speculation.flag().to_string(),
+        policy: match &engine_cfg.experiment {
             Some((arms, _)) => format!(
                 "experiment:{}",
                 arms.iter()
@@ -263,7 +262,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
                     .collect::<Vec<_>>()
                     .join(",")
             ),
-            None => opts_engine.policy.name().to_string(),
+            None => engine_cfg.policy.name().to_string(),
         },
         tok,
         template,
@@ -278,7 +277,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             .map(|d| d.as_secs())
             .unwrap_or(0),
         ready_details: std::sync::RwLock::new(serde_json::json!({
-            "gamma": opts_engine.policy.gamma(),
+            "gamma": engine_cfg.policy.gamma(),
         })),
         experiment,
     });

@@ -35,10 +35,10 @@ impl Engine {
 
     /// Advances the experiment clock by one step and switches arms at a window's end.
     pub(super) fn experiment_tick(&mut self) {
-        let running: Vec<u64> = self.running.iter().map(|s| s.id).collect();
         let Some(e) = &mut self.experiment else {
             return;
         };
+        let running: Vec<u64> = self.running.iter().map(|s| s.id).collect();
         let before = ExperimentMetrics::label(&e.arm().label);
         let (dt, switched) = e.tick(Instant::now(), &running);
         let running = running.len();

@@ -230,10 +230,7 @@ impl Plan {
                     .block_table
                     .first()
                     .map_or(0, |&b| b as usize * op.block_size);
-                slots.extend((0..s.kv_len).map(|p| {
-                    (s.block_table[p / op.block_size] as usize * op.block_size + p % op.block_size)
-                        as u32
-                }));
+                op.for_slots(s, 0, s.kv_len, |_, slot| slots.push(slot as u32));
                 slots.extend(std::iter::repeat_n(first as u32, lmax - s.kv_len));
             }
             groups.push(Group {

@@ -271,27 +271,21 @@ pub fn load_hf(
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
         .with_context(|| format!("cannot read safetensors in {}", dir.display()))?;
     let gemma = cfg.arch == Arch::Gemma3;
-    let get = |name: &str| -> Result<Tensor> {
+    let load = |name: &str| -> Result<Tensor> {
         st.load(name, device)
-            .with_context(|| format!("{}: missing or unreadable tensor '{name}'", dir.display()))?
-            .to_dtype(DType::F32)
-            .map_err(Into::into)
+            .with_context(|| format!("{}: missing or unreadable tensor '{name}'", dir.display()))
     };
+    let get = |name: &str| -> Result<Tensor> { Ok(load(name)?.to_dtype(DType::F32)?) };
     // Layer matrices: f32 on the CPU (its kernels and candle's CPU matmul want f32); on a GPU
     // a bf16/f16 checkpoint stays in its type (half the bytes per step, tensor cores), like
     // vLLM's `--dtype auto`. Embeddings, norms and the LM head are f32 everywhere.
-    let keep = |t: Tensor| -> Result<Tensor> {
+    let matrix = |name: &str| -> Result<Tensor> {
+        let t = load(name)?;
         Ok(match t.dtype() {
             DType::BF16 | DType::F16 if !device.is_cpu() => t,
             _ => t.to_dtype(DType::F32)?,
         })
     };
-    let matrix =
-        |name: &str| -> Result<Tensor> {
-            keep(st.load(name, device).with_context(|| {
-                format!("{}: missing or unreadable tensor '{name}'", dir.display())
-            })?)
-        };
     let has = |name: &str| st.get(name).is_ok();
     // Gemma stores norm weights as offsets from 1.
     let norm = |name: &str| -> Result<Tensor> {
