@@ -255,6 +255,7 @@ struct ServeArgs {
 }
 
 fn main() -> Result<()> {
+    dspark_engine::kernels::pool::pin_candle_threads();
     // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
     let telemetry = dspark_telemetry::init("dspark-engine")?;
     let cli = Cli::parse();

@@ -23,6 +23,7 @@ enum Cmd {
 }
 
 fn main() -> Result<()> {
+    dspark_engine::kernels::pool::pin_candle_threads();
     let telemetry = dspark_telemetry::init("dspark-train")?;
     let res = match Cli::parse().cmd {
         Cmd::Train(a) => cli::run_train(a),

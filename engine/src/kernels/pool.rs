@@ -295,6 +295,19 @@ impl<T> SharedMut<T> {
     }
 }
 
+/// Call first thing in `main`, before any other thread exists. candle's CPU matmul asks
+/// `candle_core::utils::get_num_threads()` on every call, and without `RAYON_NUM_THREADS`
+/// that reads and parses `/proc/cpuinfo` each time (tens of microseconds: a fifth of a
+/// drafter block here, whose confidence head multiplies through candle). This sets
+/// `RAYON_NUM_THREADS` to the number candle would have computed, so every later call reads
+/// an environment variable instead and the thread counts stay what they were.
+pub fn pin_candle_threads() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 /// The process-wide pool, sized by [`set_threads`] (or the cores) on first use.
 pub fn global() -> &'static Pool {
     GLOBAL.get_or_init(|| Pool::new(*THREADS.get_or_init(default_threads)))
