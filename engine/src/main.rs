@@ -142,6 +142,9 @@ struct ProfileArgs {
     /// Largest number of drafting sequences to measure (default: --max-batch).
     #[arg(long)]
     max_draft_seqs: Option<u32>,
+    /// Timed repetitions per drafter point (the median is kept; raise it on a noisy machine)
+    #[arg(long, default_value_t = 7)]
+    draft_reps: usize,
 }
 
 #[derive(clap::Args)]
@@ -646,7 +649,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
             seqs: log_grid(max_n, 1),
             max_len: d.model.config().block_size,
             context: a.context,
-            ..Default::default()
+            reps: a.draft_reps,
         };
         eprintln!(
             "profiling the drafter {} over sequences {:?} x draft lengths 1..={}",

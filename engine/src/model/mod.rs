@@ -149,7 +149,7 @@ impl Model {
 
     /// Final norm + LM head on `[n, hidden]` hidden states.
     pub fn logits(&self, h: &Tensor) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(h, &self.weights.final_norm, self.cfg.rms_eps as f32)?;
+        let h = ops::rms_norm(h, &self.weights.final_norm, self.cfg.rms_eps as f32)?;
         Ok(self.weights.lm_head.forward(&h)?)
     }
 
@@ -224,14 +224,14 @@ impl Model {
             } else {
                 (&cos_g, &sin_g)
             };
-            let h = candle_nn::ops::rms_norm(&x, &w.attn_norm, eps)?;
+            let h = ops::rms_norm(&x, &w.attn_norm, eps)?;
             let qkv = linear::forward_many(&[&w.wq, &w.wk, &w.wv], &h)?;
             let mut q = qkv[0].reshape((t, nh, hd))?;
             let mut k = qkv[1].reshape((t, nkv, hd))?;
             let v = &qkv[2];
             if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-                q = candle_nn::ops::rms_norm(&q, qn, eps)?;
-                k = candle_nn::ops::rms_norm(&k, kn, eps)?;
+                q = ops::rms_norm(&q, qn, eps)?;
+                k = ops::rms_norm(&k, kn, eps)?;
             }
             let q = ops::rope_thd(&q, cos, sin)?;
             let k = ops::rope_thd(&k, cos, sin)?.reshape((t, kv_dim))?;
@@ -249,14 +249,14 @@ impl Model {
             let a = attn.forward(&q, &kv.k[li], &kv.v[li])?;
             let mut o = w.wo.forward(&a)?;
             if let Some(n) = &w.post_attn_norm {
-                o = candle_nn::ops::rms_norm(&o, n, eps)?;
+                o = ops::rms_norm(&o, n, eps)?;
             }
             x = (x + o)?;
-            let h = candle_nn::ops::rms_norm(&x, &w.ffn_norm, eps)?;
+            let h = ops::rms_norm(&x, &w.ffn_norm, eps)?;
             let g = linear::forward_glu(&w.gate, &w.up, &h, cfg.activation)?;
             let mut m = w.down.forward(&g)?;
             if let Some(n) = &w.post_ffn_norm {
-                m = candle_nn::ops::rms_norm(&m, n, eps)?;
+                m = ops::rms_norm(&m, n, eps)?;
             }
             x = (x + m)?;
             if hidden_layers.contains(&li) {

@@ -53,6 +53,7 @@ pub use layout::Layout;
 
 use crate::kv::KvCache;
 use crate::model::attention::{AttnBatch, AttnSeq, PagedAttention};
+use crate::model::ops::rms_norm;
 use crate::model::Linear;
 use crate::model::{Model, ModelConfig};
 use crate::sampling::{edit_logits, target_probs, Dist, History, SamplingParams};
@@ -61,7 +62,6 @@ pub use crate::speculative::Proposal;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::ops::rms_norm;
 use head::{ConfidenceHead, SeqHead};
 /// Checkpoint names of the sequential and confidence heads' tensors.
 pub use head::{CONF_B, CONF_W, RNN_B, RNN_W, W1, W2};
