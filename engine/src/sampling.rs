@@ -320,7 +320,17 @@ pub fn target_probs(logits: &[f32], sp: &SamplingParams) -> Dist {
     }
     let inv_t = 1.0 / sp.temperature;
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-    let mut p: Vec<f32> = logits.iter().map(|&l| ((l - max) * inv_t).exp()).collect();
+    // The vectorised exp (the softmax's polynomial): libm's scalar one took ~0.2 ms per
+    // 49,152-logit row, a sixth of a decode step at one stream, and a third of a drafter
+    // block at temperature 1. Its inputs are clamped at -88.4, so masked logits (-inf: a
+    // grammar, a bias, top-k of the draft vocabulary) are set to exactly 0 after it.
+    let mut p: Vec<f32> = logits.iter().map(|&l| (l - max) * inv_t).collect();
+    crate::kernels::vmath::exp_in_place(&mut p);
+    for (x, &l) in p.iter_mut().zip(logits) {
+        if l == f32::NEG_INFINITY {
+            *x = 0.0;
+        }
+    }
     if sp.min_p > 0.0 {
         // The most likely token has weight exp(0) = 1.
         for x in p.iter_mut() {
@@ -422,6 +432,45 @@ mod tests {
             ..Default::default()
         };
         assert!(matches!(target_probs(&logits, &sp), Dist::Greedy(0)));
+    }
+
+    /// The vectorised exp: masked logits get exactly 0, the rest is the softmax at the
+    /// temperature to f32 precision, over a row as long as a real vocabulary.
+    #[test]
+    fn temperature_probabilities_are_the_softmax_and_masks_stay_zero() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut logits: Vec<f32> = (0..49_157)
+            .map(|_| rand::Rng::random_range(&mut rng, -30.0f32..12.0))
+            .collect();
+        for i in (5..logits.len()).step_by(97) {
+            logits[i] = f32::NEG_INFINITY;
+        }
+        for t in [0.3f32, 1.0, 1.7] {
+            let sp = SamplingParams {
+                temperature: t,
+                ..Default::default()
+            };
+            let Dist::Probs(p) = target_probs(&logits, &sp) else {
+                panic!()
+            };
+            let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f64> = logits
+                .iter()
+                .map(|&l| (((l - max) / t) as f64).exp())
+                .collect();
+            let z: f64 = e.iter().sum();
+            for (i, (&q, &r)) in p.iter().zip(&e).enumerate() {
+                if logits[i] == f32::NEG_INFINITY {
+                    assert_eq!(q, 0.0, "masked token {i} at T = {t}");
+                } else {
+                    let r = r / z;
+                    assert!(
+                        (q as f64 - r).abs() <= 3e-5 * r + 1e-12,
+                        "token {i} at T = {t}: {q} vs {r}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
