@@ -298,12 +298,19 @@ impl Model {
 /// maximum over 16 independent lanes, then the first position holding it. A greedy token
 /// of the target reads 49,152 logits, a draft token 8,192 (seven per drafter block).
 pub fn argmax(row: &[f32]) -> u32 {
-    const LANES: usize = 16;
     match row.first() {
         None => return 0,
         Some(v) if v.is_nan() => return 0,
         _ => {}
     }
+    let max = max_value(row);
+    row.iter().position(|&v| v == max).unwrap_or(0) as u32
+}
+
+/// The largest value of a row, NaNs ignored (`-inf` for an empty or all-NaN row): what
+/// `fold(-inf, f32::max)` gives, over 16 independent lanes so that it vectorises.
+pub fn max_value(row: &[f32]) -> f32 {
+    const LANES: usize = 16;
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
@@ -318,7 +325,7 @@ pub fn argmax(row: &[f32]) -> u32 {
             max = v;
         }
     }
-    row.iter().position(|&v| v == max).unwrap_or(0) as u32
+    max
 }
 
 #[cfg(test)]
@@ -360,8 +367,11 @@ mod tests {
                 rows.push(r);
             }
         }
+        rows.push(vec![f32::NAN; 20]);
         for r in &rows {
             assert_eq!(super::argmax(r), scan(r), "row of {}", r.len());
+            let fold = r.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(super::max_value(r).to_bits(), fold.to_bits());
         }
     }
 }
