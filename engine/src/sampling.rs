@@ -12,6 +12,7 @@
 //! penalised logits. Presence and frequency penalties count generated tokens (as OpenAI
 //! defines them); the repetition penalty (an extension) also counts the prompt's.
 
+use crate::kernels::vmath::lane_sum;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -294,20 +295,6 @@ impl Dist {
             }
         }
     }
-}
-
-/// The sum of a row over 16 independent lanes (it vectorises; a plain `sum()` is one
-/// chain of dependent adds, ~50 us over a 49,152-wide row).
-fn lane_sum(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l += v;
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// Weights per block of [`sample_dense`]'s two-level walk.

@@ -27,6 +27,13 @@ pub struct KvCache {
     dtype: DType,
 }
 
+/// Where the rows of one forward go in the cache (see [`KvCache::slot_index`]).
+pub struct SlotIndex {
+    slots: Vec<u32>,
+    /// `[T, kv_dim]` u32 (row i all `slots[i]`) for devices that scatter with tensors.
+    tensor: Option<Tensor>,
+}
+
 impl KvCache {
     /// Bytes one token's keys and values take over all layers in an f32 cache.
     pub fn bytes_per_token(num_layers: usize, kv_dim: usize) -> usize {
@@ -97,18 +104,48 @@ impl KvCache {
         self.dtype
     }
 
+    /// The cache slots rows of a forward go to, ready for [`Self::write`] on this cache's
+    /// device.
+    pub fn slot_index(&self, slots: Vec<u32>) -> candle_core::Result<SlotIndex> {
+        let dev = self.k.first().map(|t| t.device().clone());
+        let tensor = match dev {
+            Some(dev) if !dev.is_cpu() => {
+                let t = slots.len();
+                Some(
+                    Tensor::new(slots.as_slice(), &dev)?
+                        .reshape((t, 1))?
+                        .broadcast_as((t, self.kv_dim))?
+                        .contiguous()?,
+                )
+            }
+            _ => None,
+        };
+        Ok(SlotIndex { slots, tensor })
+    }
+
     /// Writes rows of `k` and `v` (`[T, kv_dim]`, any float dtype) of `layer` into the slots
-    /// of `slot_idx` (`[T, kv_dim]` u32, row i all `slot_i`), converting to the cache dtype.
+    /// of `idx` (row i into `idx.slots[i]`), converting to the cache dtype. On CPU the rows
+    /// are copied (or narrowed to f16) straight into the cache.
     pub fn write(
         &mut self,
         layer: usize,
-        slot_idx: &Tensor,
+        idx: &SlotIndex,
         k: &Tensor,
         v: &Tensor,
     ) -> candle_core::Result<()> {
-        let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
-        self.k[layer].scatter_set(slot_idx, &k.contiguous()?, 0)?;
-        self.v[layer].scatter_set(slot_idx, &v.contiguous()?, 0)
+        match &idx.tensor {
+            Some(slot_idx) => {
+                let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
+                self.k[layer].scatter_set(slot_idx, &k.contiguous()?, 0)?;
+                self.v[layer].scatter_set(slot_idx, &v.contiguous()?, 0)
+            }
+            None => {
+                let op = crate::model::ops::WriteRows { slots: &idx.slots };
+                let f32_rows = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+                self.k[layer].inplace_op2(&f32_rows(k)?, &op)?;
+                self.v[layer].inplace_op2(&f32_rows(v)?, &op)
+            }
+        }
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -239,7 +276,7 @@ mod tests {
         assert_eq!(kv16.total_blocks(), 2 * kv32.total_blocks());
         let k = Tensor::new(&[[0.5f32; 8], [1.25; 8]], &Device::Cpu).unwrap();
         let v = (&k * -2.0).unwrap();
-        let idx = Tensor::new(&[[3u32; 8], [9; 8]], &Device::Cpu).unwrap();
+        let idx = kv16.slot_index(vec![3, 9]).unwrap();
         kv16.write(1, &idx, &k, &v).unwrap();
         let rows =
             |t: &Tensor| -> Vec<Vec<f32>> { t.to_dtype(DType::F32).unwrap().to_vec2().unwrap() };

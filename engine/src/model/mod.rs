@@ -199,10 +199,7 @@ impl Model {
         let ids = Tensor::new(tokens.as_slice(), dev)?;
         let pos = Tensor::new(positions.as_slice(), dev)?;
         let kv_dim = cfg.kv_dim();
-        let slot_idx = Tensor::new(slots.as_slice(), dev)?
-            .reshape((t, 1))?
-            .broadcast_as((t, kv_dim))?
-            .contiguous()?;
+        let slot_idx = kv.slot_index(slots)?;
         let cos_g = self.rope_global.0.index_select(&pos, 0)?;
         let sin_g = self.rope_global.1.index_select(&pos, 0)?;
         let (cos_l, sin_l) = if cfg.rope_local_theta != cfg.rope_theta {
@@ -217,6 +214,8 @@ impl Model {
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let mut x = self.embed(&ids)?;
         let mut hidden = Vec::with_capacity(hidden_layers.len());
+        // The last layer's MLP output, added to `x` by the norm that reads the sum.
+        let mut pending: Option<Tensor> = None;
         for (li, w) in self.weights.layers.iter().enumerate() {
             let sliding = cfg.sliding_layers[li];
             let (cos, sin) = if sliding {
@@ -224,7 +223,14 @@ impl Model {
             } else {
                 (&cos_g, &sin_g)
             };
-            let h = ops::rms_norm(&x, &w.attn_norm, eps)?;
+            let h = match pending.take() {
+                Some(m) => {
+                    let (sum, h) = ops::add_rms_norm(&x, &m, &w.attn_norm, eps)?;
+                    x = sum;
+                    h
+                }
+                None => ops::rms_norm(&x, &w.attn_norm, eps)?,
+            };
             let qkv = linear::forward_many(&[&w.wq, &w.wk, &w.wv], &h)?;
             let mut q = qkv[0].reshape((t, nh, hd))?;
             let mut k = qkv[1].reshape((t, nkv, hd))?;
@@ -251,17 +257,22 @@ impl Model {
             if let Some(n) = &w.post_attn_norm {
                 o = ops::rms_norm(&o, n, eps)?;
             }
-            x = (x + o)?;
-            let h = ops::rms_norm(&x, &w.ffn_norm, eps)?;
+            let (sum, h) = ops::add_rms_norm(&x, &o, &w.ffn_norm, eps)?;
+            x = sum;
             let g = linear::forward_glu(&w.gate, &w.up, &h, cfg.activation)?;
             let mut m = w.down.forward(&g)?;
             if let Some(n) = &w.post_ffn_norm {
                 m = ops::rms_norm(&m, n, eps)?;
             }
-            x = (x + m)?;
             if hidden_layers.contains(&li) {
+                x = (x + m)?;
                 hidden.push(x.clone());
+            } else {
+                pending = Some(m);
             }
+        }
+        if let Some(m) = pending {
+            x = (x + m)?;
         }
         let logits = if logit_rows.is_empty() {
             Tensor::zeros((0, cfg.vocab_size), DType::F32, dev)?

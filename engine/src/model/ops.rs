@@ -2,13 +2,27 @@
 //! the kernel pool ([`crate::kernels::pool`]).
 //!
 //! candle-nn's CPU versions hand calls to rayon (`par_chunks` over the batch dimension,
-//! which is 1 here, for RoPE; over rows once there are more than 32 for RMSNorm: every
-//! per-head q/k norm of a verify block, every norm of a step past 32 tokens), so each call
-//! was a round trip through rayon's pool, a thread wake-up while the kernel pool's workers
-//! spin, and rayon's idle workers then yield-spin on the same two cores. The arithmetic is
-//! candle's, so results are identical; other devices use candle-nn.
+//! which is 1 here, for RoPE; over rows once there are more than 32 for RMSNorm), copy their
+//! inputs, and sum a row of squares as one chain of dependent adds. These borrow the
+//! tensors' storage, sum over 16 lanes and fuse the residual add into the norm that follows
+//! it, so a step's ~5 small ops per layer cost microseconds, not tens (a quarter of a
+//! verify step ran on one core in them). The arithmetic differs from candle-nn's only in
+//! summation order (tests bound the difference); other devices use candle-nn.
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Storage, Tensor};
+
+/// Calls `f` with `t`'s values as one contiguous f32 slice: borrowed from a contiguous CPU
+/// f32 tensor, copied otherwise.
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    {
+        let (st, l) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*st, l.contiguous_offsets()) {
+            return f(&v[a..b]);
+        }
+    }
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    f(&v)
+}
 
 /// Rotary embedding, half-split layout (candle-nn's `rope_thd`): `x` is `[t, heads, hd]`,
 /// `cos`/`sin` are `[t, hd / 2]`.
@@ -18,28 +32,28 @@ pub fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             .squeeze(0);
     }
     let (t, h, d) = x.dims3()?;
-    let x = x.contiguous()?;
-    let (xs, cs, ss) = (
-        x.flatten_all()?.to_vec1::<f32>()?,
-        cos.contiguous()?.flatten_all()?.to_vec1::<f32>()?,
-        sin.contiguous()?.flatten_all()?.to_vec1::<f32>()?,
-    );
-    if cs.len() < t * d / 2 || ss.len() < t * d / 2 {
-        candle_core::bail!("rope: cos/sin tables shorter than {t} positions");
-    }
+    let half = d / 2;
     let mut dst = vec![0f32; t * h * d];
-    for i_t in 0..t {
-        for i_d in 0..d / 2 {
-            let i_cs = i_t * (d / 2) + i_d;
-            let (c, s) = (cs[i_cs], ss[i_cs]);
-            for i_h in 0..h {
-                let i1 = i_t * h * d + i_h * d + i_d;
-                let i2 = i1 + d / 2;
-                dst[i1] = xs[i1] * c - xs[i2] * s;
-                dst[i2] = xs[i1] * s + xs[i2] * c;
-            }
-        }
-    }
+    with_f32(x, |xs| {
+        with_f32(cos, |cs| {
+            with_f32(sin, |ss| {
+                if cs.len() < t * half || ss.len() < t * half {
+                    candle_core::bail!("rope: cos/sin tables shorter than {t} positions");
+                }
+                for (i, (src, out)) in xs.chunks_exact(d).zip(dst.chunks_exact_mut(d)).enumerate() {
+                    let i_t = i / h;
+                    let (c, s) = (&cs[i_t * half..][..half], &ss[i_t * half..][..half]);
+                    let (x1, x2) = src.split_at(half);
+                    let (o1, o2) = out.split_at_mut(half);
+                    for j in 0..half {
+                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                        o2[j] = x1[j] * s[j] + x2[j] * c[j];
+                    }
+                }
+                Ok(())
+            })
+        })
+    })?;
     Tensor::from_vec(dst, (t, h, d), &Device::Cpu)
 }
 
@@ -48,32 +62,68 @@ const NORM_PAR_ROWS: usize = 256;
 
 /// RMSNorm over the last dimension (candle-nn's `rms_norm`): `x / sqrt(mean(x^2) + eps) * w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-    if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
+    if !cpu_f32(x) {
         return candle_nn::ops::rms_norm(x, w, eps);
     }
-    let dims = x.dims().to_vec();
-    let n = *dims.last().unwrap_or(&0);
-    let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    let alpha = w.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
-    if alpha.len() != n {
-        candle_core::bail!("rms_norm: weight of {} for rows of {n}", alpha.len());
+    let mut dst = Vec::new();
+    with_f32(x, |xs| {
+        with_f32(w, |alpha| {
+            dst = vec![0f32; xs.len()];
+            norm_rows(xs, alpha, eps, &mut dst)
+        })
+    })?;
+    Tensor::from_vec(dst, x.dims(), &Device::Cpu)
+}
+
+/// `(x + y, rms_norm(x + y, w))`: a residual add and the norm that reads it, in one pass.
+pub fn add_rms_norm(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    if !cpu_f32(x) || !cpu_f32(y) || x.dims() != y.dims() {
+        let s = (x + y)?;
+        let n = rms_norm(&s, w, eps)?;
+        return Ok((s, n));
     }
-    let mut dst = vec![0f32; xs.len()];
-    let rows = xs.len().checked_div(n).unwrap_or(0);
+    let (mut sum, mut dst) = (Vec::new(), Vec::new());
+    with_f32(x, |xs| {
+        with_f32(y, |ys| {
+            sum = xs.iter().zip(ys).map(|(a, b)| a + b).collect();
+            Ok(())
+        })
+    })?;
+    with_f32(w, |alpha| {
+        dst = vec![0f32; sum.len()];
+        norm_rows(&sum, alpha, eps, &mut dst)
+    })?;
+    Ok((
+        Tensor::from_vec(sum, x.dims(), &Device::Cpu)?,
+        Tensor::from_vec(dst, x.dims(), &Device::Cpu)?,
+    ))
+}
+
+fn cpu_f32(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32
+}
+
+/// The rows of `xs` (each `alpha.len()` long) normalised into `dst`.
+fn norm_rows(xs: &[f32], alpha: &[f32], eps: f32, dst: &mut [f32]) -> Result<()> {
+    let n = alpha.len();
+    if n == 0 || !xs.len().is_multiple_of(n) {
+        candle_core::bail!("rms_norm: weight of {n} for {} values", xs.len());
+    }
+    let rows = xs.len() / n;
     let row = |src: &[f32], dst: &mut [f32]| {
-        let sum2 = src.iter().map(|&v| v * v).sum::<f32>();
-        let m = (sum2 / n as f32 + eps).sqrt();
-        for ((d, s), a) in dst.iter_mut().zip(src).zip(&alpha) {
-            *d = *s / m * *a
+        let sum2 = crate::kernels::vmath::lane_sum_sq(src);
+        let inv = 1.0 / (sum2 / n as f32 + eps).sqrt();
+        for ((d, s), a) in dst.iter_mut().zip(src).zip(alpha) {
+            *d = *s * inv * *a
         }
     };
     if rows < NORM_PAR_ROWS {
-        for (s, d) in xs.chunks(n.max(1)).zip(dst.chunks_mut(n.max(1))) {
+        for (s, d) in xs.chunks(n).zip(dst.chunks_mut(n)) {
             row(s, d);
         }
     } else {
         let per = NORM_PAR_ROWS / 4;
-        let out = crate::kernels::pool::SharedMut::new(&mut dst);
+        let out = crate::kernels::pool::SharedMut::new(dst);
         crate::kernels::pool::run(rows.div_ceil(per), &|t| {
             let r0 = t * per;
             let r1 = (r0 + per).min(rows);
@@ -84,7 +134,67 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
             }
         });
     }
-    Tensor::from_vec(dst, dims, &Device::Cpu)
+    Ok(())
+}
+
+/// Writes row `i` of `src` (`[rows, width]`, f32) into row `slots[i]` of a cache tensor
+/// (`[slots, width]`, f32 or f16) in place: the CPU path of `KvCache::write`, without
+/// candle's per-element index tensor or an f16 copy of the rows.
+pub struct WriteRows<'a> {
+    pub slots: &'a [u32],
+}
+
+impl candle_core::InplaceOp2 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "write-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dl: &Layout,
+        src: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<()> {
+        let (Some((d0, d1)), Some((s0, s1))) = (dl.contiguous_offsets(), sl.contiguous_offsets())
+        else {
+            candle_core::bail!("write-rows: non-contiguous tensors");
+        };
+        let CpuStorage::F32(src) = src else {
+            candle_core::bail!("write-rows: rows must be f32");
+        };
+        let src = &src[s0..s1];
+        let width = *dl.shape().dims().last().unwrap_or(&0);
+        if width == 0 || src.len() != self.slots.len() * width {
+            candle_core::bail!(
+                "write-rows: {} values for {} rows of {width}",
+                src.len(),
+                self.slots.len()
+            );
+        }
+        let cap = (d1 - d0) / width;
+        if let Some(&bad) = self.slots.iter().find(|&&s| s as usize >= cap) {
+            candle_core::bail!("write-rows: slot {bad} outside a cache of {cap}");
+        }
+        let rows = self.slots.iter().zip(src.chunks_exact(width));
+        match dst {
+            CpuStorage::F32(d) => {
+                for (&s, r) in rows {
+                    let at = d0 + s as usize * width;
+                    d[at..at + width].copy_from_slice(r);
+                }
+            }
+            CpuStorage::F16(d) => {
+                use half::slice::HalfFloatSliceExt;
+                for (&s, r) in rows {
+                    let at = d0 + s as usize * width;
+                    d[at..at + width].convert_from_f32_slice(r);
+                }
+            }
+            _ => candle_core::bail!("write-rows: the cache must be f32 or f16"),
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -117,22 +227,77 @@ mod tests {
         assert_eq!(mine, theirs);
     }
 
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
     /// Few rows (candle-nn's serial path), many rows (its rayon path; ours on the kernel
-    /// pool) and a 3-d per-head input: the same bits as candle-nn.
+    /// pool) and a 3-d per-head input: candle-nn's values up to summation order.
     #[test]
-    fn rms_norm_matches_candle_nn_exactly() {
+    fn rms_norm_matches_candle_nn() {
         let dev = Device::Cpu;
-        for shape in [vec![3, 64], vec![300, 64], vec![40, 9, 64]] {
+        for shape in [vec![3, 64], vec![300, 64], vec![40, 9, 64], vec![2, 576]] {
             let x = Tensor::randn(0f32, 1.0, shape.as_slice(), &dev).unwrap();
-            let w = Tensor::randn(1f32, 0.1, 64, &dev).unwrap();
+            let w = Tensor::randn(1f32, 0.1, *shape.last().unwrap(), &dev).unwrap();
             let mine = rms_norm(&x, &w, 1e-5).unwrap();
             let theirs = candle_nn::ops::rms_norm(&x, &w, 1e-5).unwrap();
             assert_eq!(mine.dims(), theirs.dims());
-            let (a, b) = (
-                mine.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                theirs.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            );
-            assert_eq!(a, b, "shape {shape:?}");
+            let d = crate::testutil::max_abs_diff(&mine, &theirs);
+            assert!(d < 1e-5, "shape {shape:?}: {d}");
+        }
+    }
+
+    /// The fused residual add gives the sum exactly and the norm of that sum.
+    #[test]
+    fn add_rms_norm_is_the_sum_and_its_norm() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (5, 96), &dev).unwrap();
+        let y = Tensor::randn(0f32, 1.0, (5, 96), &dev).unwrap();
+        let w = Tensor::randn(1f32, 0.1, 96, &dev).unwrap();
+        let (sum, normed) = add_rms_norm(&x, &y, &w, 1e-6).unwrap();
+        assert_eq!(values(&sum), values(&(&x + &y).unwrap()));
+        let want = rms_norm(&(&x + &y).unwrap(), &w, 1e-6).unwrap();
+        assert_eq!(values(&normed), values(&want));
+        // A weight that does not fit the rows is an error, not a silent misread.
+        let bad = Tensor::ones(95, candle_core::DType::F32, &dev).unwrap();
+        assert!(add_rms_norm(&x, &y, &bad, 1e-6).is_err());
+        assert!(rms_norm(&x, &bad, 1e-6).is_err());
+    }
+
+    /// Rows land in their slots (f32 exactly, f16 rounded), other slots are untouched, and a
+    /// slot past the cache is refused.
+    #[test]
+    fn write_rows_fills_exactly_the_given_slots() {
+        let dev = Device::Cpu;
+        let rows = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let slots = [5u32, 0, 9];
+        for dt in [candle_core::DType::F32, candle_core::DType::F16] {
+            let cache = Tensor::full(7f32, (10, 8), &dev)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            cache
+                .inplace_op2(&rows, &WriteRows { slots: &slots })
+                .unwrap();
+            let got = cache
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let want = rows
+                .to_dtype(dt)
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap();
+            let want = want.to_vec2::<f32>().unwrap();
+            for (slot, row) in got.iter().enumerate() {
+                match slots.iter().position(|&s| s as usize == slot) {
+                    Some(i) => assert_eq!(row, &want[i], "{dt:?} slot {slot}"),
+                    None => assert!(row.iter().all(|&v| v == 7.0), "{dt:?} slot {slot}"),
+                }
+            }
+            let err = cache.inplace_op2(&rows, &WriteRows { slots: &[1, 10, 2] });
+            assert!(err.is_err(), "{dt:?}: slot 10 of 10 accepted");
         }
     }
 }

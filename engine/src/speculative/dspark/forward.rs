@@ -150,7 +150,7 @@ impl DSparkDrafter {
             return Ok(vec![None; feeds.len()]);
         }
         let (cos, sin) = self.rope_at(&positions)?;
-        let idx = slot_index(&slots, self.kv_dim(), &self.device)?;
+        let idx = kv.slot_index(slots)?;
         let per_layer: Vec<Tensor> = rows
             .iter()
             .map(|r| Tensor::cat(r, 0))
@@ -245,7 +245,7 @@ impl DSparkDrafter {
             x = (x + Tensor::cat(&rows, 0)?)?;
         }
         let (cos, sin) = self.rope_at(&positions)?;
-        let idx = slot_index(&slots, self.kv_dim(), dev)?;
+        let idx = kv.slot_index(slots)?;
         let (nh, hd) = (cfg.num_attention_heads, cfg.head_dim);
         let attn = PagedAttention {
             seqs: Arc::new(AttnBatch::new(seqs)),

@@ -190,15 +190,6 @@ fn q8_linear(w: &Tensor) -> Result<Linear> {
     )?)?)
 }
 
-/// Scatter index writing row i into cache slot `slots[i]`.
-fn slot_index(slots: &[u32], kv_dim: usize, dev: &Device) -> Result<Tensor> {
-    let t = slots.len();
-    Ok(Tensor::new(slots, dev)?
-        .reshape((t, 1))?
-        .broadcast_as((t, kv_dim))?
-        .contiguous()?)
-}
-
 fn sigmoid(z: f32) -> f32 {
     // Kept strictly inside (0, 1) so that logit(c) and log(c) stay finite downstream.
     (1.0 / (1.0 + (-z).exp())).clamp(f32::MIN_POSITIVE, 1.0 - f32::EPSILON / 2.0)
