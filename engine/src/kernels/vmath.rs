@@ -19,16 +19,16 @@ pub fn avx2_fma() -> bool {
 }
 
 /// Softmax of `x[a..b]` in place; everything outside becomes 0 (masked positions).
-/// Requires `a < b <= x.len()`.
-pub fn softmax_in(x: &mut [f32], a: usize, b: usize) {
+/// Returns the maximum and the normaliser `sum(exp(x - max))` (what merges softmaxes taken
+/// over parts of a row). Requires `a < b <= x.len()`.
+pub fn softmax_in(x: &mut [f32], a: usize, b: usize) -> (f32, f32) {
     x[..a].fill(0.0);
     x[b..].fill(0.0);
     let v = &mut x[a..b];
     #[cfg(target_arch = "x86_64")]
     if avx2_fma() {
         // SAFETY: AVX2/FMA checked above.
-        unsafe { x86::softmax(v) };
-        return;
+        return unsafe { x86::softmax(v) };
     }
     let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let mut l = 0f32;
@@ -38,6 +38,7 @@ pub fn softmax_in(x: &mut [f32], a: usize, b: usize) {
     }
     let inv = 1.0 / l;
     v.iter_mut().for_each(|e| *e *= inv);
+    (m, l)
 }
 
 /// `g[i] = silu(g[i]) * u[i]` (SwiGLU).
@@ -184,7 +185,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn softmax(v: &mut [f32]) {
+    pub unsafe fn softmax(v: &mut [f32]) -> (f32, f32) {
         // SAFETY: `i + 8 <= n8 <= v.len()` for every load and store through `p`; the
         // features `exp8` needs are enabled on this function.
         unsafe {
@@ -210,6 +211,7 @@ mod x86 {
                 _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
             }
             v[n8..].iter_mut().for_each(|e| *e /= l);
+            (m, l)
         }
     }
 
@@ -278,9 +280,14 @@ mod tests {
                 .collect();
             let (a, b) = (len / 5, len - len / 7);
             let mut y = x.clone();
-            softmax_in(&mut y, a, b);
+            let (got_m, got_l) = softmax_in(&mut y, a, b);
             let m = x[a..b].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let l: f64 = x[a..b].iter().map(|v| ((v - m) as f64).exp()).sum();
+            assert_eq!(got_m, m);
+            assert!(
+                ((got_l as f64 - l) / l).abs() < 1e-5,
+                "normaliser {got_l} vs {l}"
+            );
             for i in 0..len {
                 let want = if (a..b).contains(&i) {
                     (((x[i] - m) as f64).exp() / l) as f32

@@ -292,28 +292,102 @@ impl PagedAttention {
         }
     }
 
-    /// `(sequence, first row, rows)` chunks of at most 8 query rows, halved until there are
-    /// at least two tasks per pool thread (or one row per chunk).
-    fn row_chunks(&self, threads: usize) -> Vec<(usize, usize, usize)> {
+    /// How one call's work is cut into pool tasks (see [`Work`]).
+    fn work(&self, threads: usize) -> Work {
+        let want = 2 * threads;
         let mut rc = 8;
+        let mut chunks;
         loop {
-            let n: usize = self.seqs.iter().map(|s| s.q_len.div_ceil(rc)).sum();
-            if rc == 1 || n * self.num_kv_heads >= 2 * threads {
+            chunks = Vec::new();
+            for (si, s) in self.seqs.iter().enumerate() {
+                let mut r = 0;
+                while r < s.q_len {
+                    let nr = rc.min(s.q_len - r);
+                    let (lo, hi) = (r..r + nr).fold((usize::MAX, 0), |(lo, hi), q| {
+                        let (a, b) = self.visible(s, q);
+                        if a < b {
+                            (lo.min(a), hi.max(b))
+                        } else {
+                            (lo, hi)
+                        }
+                    });
+                    let parts = if lo < hi {
+                        (lo / PART..(hi - 1) / PART + 1).len()
+                    } else {
+                        0
+                    };
+                    chunks.push(Chunk {
+                        seq: si,
+                        r0: r,
+                        nr,
+                        lo: lo.min(hi),
+                        hi,
+                        parts,
+                        scratch: 0,
+                    });
+                    r += nr;
+                }
+            }
+            let units: usize = chunks.iter().map(|c| c.parts).sum();
+            if rc == 1 || units * self.num_kv_heads >= want {
                 break;
             }
             rc /= 2;
         }
-        let mut chunks = Vec::new();
-        for (si, s) in self.seqs.iter().enumerate() {
-            let mut r = 0;
-            while r < s.q_len {
-                let nr = rc.min(s.q_len - r);
-                chunks.push((si, r, nr));
-                r += nr;
+        let units: usize = chunks.iter().map(|c| c.parts).sum();
+        // All kv heads in one task read each cache row whole (a row holds every head);
+        // the heads are split (before the rows are) only when there would be too few tasks.
+        let head_groups = if units >= want { 1 } else { self.num_kv_heads };
+        let (nh, hd) = (self.num_heads, self.head_dim);
+        let mut scratch = 0;
+        let mut tasks = Vec::new();
+        for (ci, c) in chunks.iter_mut().enumerate() {
+            if c.parts > 1 {
+                c.scratch = scratch;
+                scratch += c.parts * c.nr * nh * (hd + 2);
+            }
+            for p in 0..c.parts {
+                for g in 0..head_groups {
+                    tasks.push((ci, p, g, head_groups));
+                }
             }
         }
-        chunks
+        Work {
+            chunks,
+            tasks,
+            scratch,
+        }
     }
+}
+
+/// Positions per part of a context: each part is attended by its own task(s) and the parts'
+/// softmaxes merge by their maxima and normalisers. Parts are fixed windows of absolute
+/// positions, so a row's arithmetic never depends on the other rows of the batch (greedy
+/// output stays the same whatever else is running).
+const PART: usize = 512;
+
+/// Query rows of one sequence attended together (each key and value row is read once for all
+/// of them and all query heads sharing its kv head).
+#[derive(Debug, Clone, PartialEq)]
+struct Chunk {
+    seq: usize,
+    r0: usize,
+    nr: usize,
+    /// Union of the rows' visible positions.
+    lo: usize,
+    hi: usize,
+    /// `PART` windows `[lo, hi)` touches (0 when nothing is visible).
+    parts: usize,
+    /// Start of this chunk's partial results in the scratch buffer (when `parts > 1`): per
+    /// part, `nr * heads` output vectors, then their `(max, normaliser)` pairs.
+    scratch: usize,
+}
+
+/// The tasks of one call: `(chunk, part, head group, head groups)`.
+struct Work {
+    chunks: Vec<Chunk>,
+    tasks: Vec<(usize, usize, usize, usize)>,
+    scratch: usize,
 }
 
 impl CustomOp3 for PagedAttention {
@@ -321,10 +395,10 @@ impl CustomOp3 for PagedAttention {
         "paged-attention"
     }
 
-    /// One task per (sequence, chunk of query rows, kv head): each cached key and value row
-    /// is read once for all the chunk's rows and the group of query heads sharing that kv
-    /// head (a verify block's queries share their context). Chunks shrink until there are
-    /// enough tasks for the pool.
+    /// One task per (chunk of a sequence's query rows, window of positions, kv heads): each
+    /// cached key and value row is read once for all the chunk's rows and query heads (a
+    /// verify block's queries share their context). Chunks shrink, and a long context is
+    /// cut into windows, until there are enough tasks for the pool; windows merge after.
     fn cpu_fwd(
         &self,
         qs: &CpuStorage,
@@ -358,20 +432,27 @@ impl CustomOp3 for PagedAttention {
         let nkv = self.num_kv_heads;
         let group = nh / nkv;
         let mut out = vec![0f32; t * nh * hd];
-        let chunks = self.row_chunks(crate::kernels::pool::global().size());
+        let work = self.work(crate::kernels::pool::global().size());
+        let mut scratch = vec![0f32; work.scratch];
         let optr = crate::kernels::pool::SharedMut::new(&mut out);
-        let task = |task: usize| {
-            let (si, r0, nr) = chunks[task / nkv];
-            let kvh = task % nkv;
-            let s = &self.seqs[si];
-            let ranges: Vec<(usize, usize)> = (r0..r0 + nr).map(|r| self.visible(s, r)).collect();
-            let lo = ranges.iter().map(|r| r.0).min().unwrap_or(0);
-            let hi = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+        let sptr = crate::kernels::pool::SharedMut::new(&mut scratch);
+        let attend = |c: &Chunk, part: usize, kvh: usize| {
+            let s = &self.seqs[c.seq];
+            let (r0, nr) = (c.r0, c.nr);
+            let w0 = (c.lo / PART + part) * PART;
+            let (lo, hi) = (c.lo.max(w0), c.hi.min(w0 + PART));
             if lo >= hi {
                 return;
             }
             let len = hi - lo;
             let h0 = kvh * group;
+            // Each row's visible positions inside this window (empty ones give no weight).
+            let ranges: Vec<(usize, usize)> = (r0..r0 + nr)
+                .map(|r| {
+                    let (a, b) = self.visible(s, r);
+                    (a.max(lo), b.min(hi))
+                })
+                .collect();
             // Query vectors, row-major over (row, head of the group).
             let qv: Vec<&[f32]> = (r0..r0 + nr)
                 .flat_map(|r| {
@@ -405,15 +486,32 @@ impl CustomOp3 for PagedAttention {
                     }
                 }
             }
+            let mut stats = Vec::with_capacity(qv.len());
             for (j, sc) in scores.chunks_mut(len).enumerate() {
                 let (a, b) = ranges[j / group];
-                crate::kernels::vmath::softmax_in(sc, a - lo, b - lo);
+                stats.push(if a < b {
+                    crate::kernels::vmath::softmax_in(sc, a - lo, b - lo)
+                } else {
+                    sc.fill(0.0);
+                    (f32::NEG_INFINITY, 0.0)
+                });
             }
-            // SAFETY: rows r0..r0 + nr, heads h0..h0 + group are written by this task only.
-            let mut o: Vec<&mut [f32]> = (r0..r0 + nr)
+            // Where this task's output vectors go: the output itself for a single window,
+            // else this window's slot of the chunk's partial results.
+            let split = c.parts > 1;
+            let pbase = c.scratch + part * nr * nh * (hd + 2);
+            // SAFETY: rows r0..r0 + nr, heads h0..h0 + group (of this window, when split) are
+            // written by this task only; the ranges lie inside their buffers.
+            let mut o: Vec<&mut [f32]> = (0..nr)
                 .flat_map(|r| {
-                    // SAFETY: see above; the range lies inside the output buffer.
-                    let row = unsafe { optr.slice(((s.q_start + r) * nh + h0) * hd, group * hd) };
+                    // SAFETY: see above.
+                    let row = unsafe {
+                        if split {
+                            sptr.slice(pbase + (r * nh + h0) * hd, group * hd)
+                        } else {
+                            optr.slice(((s.q_start + r0 + r) * nh + h0) * hd, group * hd)
+                        }
+                    };
                     row.chunks_mut(hd)
                 })
                 .collect();
@@ -434,9 +532,60 @@ impl CustomOp3 for PagedAttention {
                     }
                 }
             }
+            if split {
+                for (j, &(m, l)) in stats.iter().enumerate() {
+                    let (r, g) = (j / group, j % group);
+                    let at = pbase + nr * nh * hd + 2 * (r * nh + h0 + g);
+                    // SAFETY: this task's (row, head) pairs, as above.
+                    unsafe { sptr.slice(at, 2) }.copy_from_slice(&[m, l]);
+                }
+            }
         };
-        crate::kernels::pool::run(chunks.len() * nkv, &task);
+        let tasks = &work.tasks;
+        crate::kernels::pool::run(tasks.len(), &|ti| {
+            let (ci, part, g, groups) = tasks[ti];
+            let per = nkv.div_ceil(groups);
+            for kvh in g * per..((g + 1) * per).min(nkv) {
+                attend(&work.chunks[ci], part, kvh);
+            }
+        });
+        for c in work.chunks.iter().filter(|c| c.parts > 1) {
+            merge_windows(c, &scratch, &mut out, &self.seqs[c.seq], nh, hd);
+        }
         Ok((CpuStorage::F32(out), Shape::from((t, nh * hd))))
+    }
+}
+
+/// Combines a chunk's per-window softmax outputs into the output rows: window p's vector
+/// counts with weight `l_p * exp(m_p - M) / sum_q l_q * exp(m_q - M)` (M the largest
+/// window maximum). One visible window gives weight exactly 1, so the vector is copied
+/// unchanged; windows are summed in position order.
+fn merge_windows(c: &Chunk, scratch: &[f32], out: &mut [f32], s: &AttnSeq, nh: usize, hd: usize) {
+    let per = c.nr * nh * (hd + 2);
+    let stat = |p: usize, rh: usize| {
+        let at = c.scratch + p * per + c.nr * nh * hd + 2 * rh;
+        (scratch[at], scratch[at + 1])
+    };
+    let mut w = vec![0f32; c.parts];
+    for rh in 0..c.nr * nh {
+        let m = (0..c.parts)
+            .map(|p| stat(p, rh))
+            .filter(|&(_, l)| l > 0.0)
+            .fold(f32::NEG_INFINITY, |a, (m, _)| a.max(m));
+        for (p, wp) in w.iter_mut().enumerate() {
+            let (mp, lp) = stat(p, rh);
+            *wp = if lp > 0.0 { lp * (mp - m).exp() } else { 0.0 };
+        }
+        let total: f32 = w.iter().sum();
+        let (r, h) = (rh / nh, rh % nh);
+        let dst = &mut out[((s.q_start + c.r0 + r) * nh + h) * hd..][..hd];
+        dst.fill(0.0);
+        for (p, &wp) in w.iter().enumerate() {
+            if wp > 0.0 {
+                let src = &scratch[c.scratch + p * per + rh * hd..][..hd];
+                axpy(dst, wp / total, src);
+            }
+        }
     }
 }
 
@@ -805,13 +954,13 @@ mod tests {
     }
 
     #[test]
-    fn row_chunks_shrink_until_every_thread_has_work() {
-        let seq = |q_start, q_len| AttnSeq {
+    fn work_is_cut_until_every_thread_has_tasks() {
+        let seq = |q_start, q_len, kv_len| AttnSeq {
             q_start,
             q_len,
-            q_pos0: 10,
-            kv_len: 10 + q_len,
-            block_table: vec![0; 8],
+            q_pos0: kv_len - q_len,
+            kv_len,
+            block_table: vec![0; 128],
         };
         let op = |seqs| PagedAttention {
             seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
@@ -823,19 +972,94 @@ mod tests {
             window: None,
             causal: true,
         };
-        // One verify block of 4 rows, 3 kv heads, 2 threads: 2 chunks of 2 rows (6 tasks).
-        assert_eq!(
-            op(vec![seq(0, 4)]).row_chunks(2),
-            vec![(0, 0, 2), (0, 2, 2)]
-        );
-        // Enough work already: chunks of 8 rows, the last one shorter.
-        assert_eq!(
-            op(vec![seq(0, 20)]).row_chunks(2),
-            vec![(0, 0, 8), (0, 8, 8), (0, 16, 4)]
-        );
-        // Decode rows of many sequences: one row each.
-        let decode: Vec<AttnSeq> = (0..4).map(|i| seq(i, 1)).collect();
-        assert_eq!(op(decode).row_chunks(16).len(), 4);
+        let shape = |w: &Work| {
+            w.chunks
+                .iter()
+                .map(|c| (c.r0, c.nr, c.parts))
+                .collect::<Vec<_>>()
+        };
+        // One verify block of 4 rows, short context, 2 threads: 2 chunks of 2 rows, one
+        // task per kv head (6 tasks).
+        let w = op(vec![seq(0, 4, 14)]).work(2);
+        assert_eq!(shape(&w), vec![(0, 2, 1), (2, 2, 1)]);
+        assert_eq!(w.tasks.len(), 6);
+        // Enough work with split heads: chunks of 8 rows, the last one shorter.
+        let w = op(vec![seq(0, 20, 30)]).work(2);
+        assert_eq!(shape(&w), vec![(0, 8, 1), (8, 8, 1), (16, 4, 1)]);
+        assert_eq!(w.tasks.len(), 9);
+        // One decode row over 1,100 positions: 3 windows, heads split to fill 4 threads.
+        let w = op(vec![seq(0, 1, 1100)]).work(4);
+        assert_eq!(shape(&w), vec![(0, 1, 3)]);
+        assert_eq!(w.tasks.len(), 9);
+        assert_eq!(w.scratch, 3 * 9 * 66);
+        // Decode rows of many sequences: one task each, every head.
+        let decode: Vec<AttnSeq> = (0..8).map(|i| seq(i, 1, 40)).collect();
+        let w = op(decode).work(2);
+        assert_eq!((w.chunks.len(), w.tasks.len()), (8, 8));
+    }
+
+    /// A row's result does not depend on which other rows share the call (so a sequence's
+    /// greedy tokens do not either): one decode row over 1,100 positions alone (3 windows,
+    /// split heads) and beside a verify block and other rows (all heads per task), bit for
+    /// bit, and equal to the reference.
+    #[test]
+    fn a_rows_result_does_not_depend_on_its_batch() {
+        let dev = Device::Cpu;
+        let (nh, nkv, hd, bs) = (6, 2, 64, 16);
+        let slots = 128 * bs;
+        let kc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();
+        let vc = Tensor::randn(0f32, 1.0, (slots, nkv * hd), &dev).unwrap();
+        let table = |first: u32, n: u32| (first..first + n).rev().collect::<Vec<u32>>();
+        let row = |q_start| AttnSeq {
+            q_start,
+            q_len: 1,
+            q_pos0: 1099,
+            kv_len: 1100,
+            block_table: table(0, 69),
+        };
+        let op = |seqs| PagedAttention {
+            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: bs,
+            scale: 0.125,
+            window: None,
+            causal: true,
+        };
+        let q = Tensor::randn(0f32, 1.0, (12, nh, hd), &dev).unwrap();
+        for dt in [candle_core::DType::F32, candle_core::DType::F16] {
+            let (k, v) = (kc.to_dtype(dt).unwrap(), vc.to_dtype(dt).unwrap());
+            let alone = op(vec![row(0)]);
+            let a = alone.forward(&q.narrow(0, 0, 1).unwrap(), &k, &v).unwrap();
+            let b = alone
+                .forward_generic(&q.narrow(0, 0, 1).unwrap(), &k, &v)
+                .unwrap();
+            let d = crate::testutil::max_abs_diff(&a, &b);
+            assert!(d < 1e-4, "{dt:?}: windows merged vs reference: {d}");
+            let mut seqs = vec![row(0)];
+            seqs.push(AttnSeq {
+                q_start: 1,
+                q_len: 5,
+                q_pos0: 250,
+                kv_len: 255,
+                block_table: table(70, 16),
+            });
+            seqs.extend((6..12).map(|i| AttnSeq {
+                q_start: i,
+                q_len: 1,
+                q_pos0: 10 * i,
+                kv_len: 10 * i + 1,
+                block_table: table(90, 8),
+            }));
+            let crowd = op(seqs);
+            let c = crowd.forward(&q, &k, &v).unwrap();
+            let mine = |t: &Tensor| t.get(0).unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(mine(&c), mine(&a), "{dt:?}: the row changed with its batch");
+            let r = crowd.forward_generic(&q, &k, &v).unwrap();
+            let d = crate::testutil::max_abs_diff(&c, &r);
+            assert!(d < 1e-4, "{dt:?}: crowded call vs reference: {d}");
+        }
     }
 
     #[test]
