@@ -70,19 +70,6 @@ pub fn lane_sum(x: &[f32]) -> f32 {
     lanes.iter().sum::<f32>() + tail
 }
 
-/// `sum(x[i]^2)` over 16 independent lanes, as [`lane_sum`].
-pub fn lane_sum_sq(x: &[f32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail: f32 = chunks.remainder().iter().map(|v| v * v).sum();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            *l = v.mul_add(v, *l);
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
 /// `x[i] = exp(x[i])` (the same polynomial as the SIMD softmax and SiLU; for tests).
 pub fn exp_in_place(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
