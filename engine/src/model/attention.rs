@@ -816,6 +816,20 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
+    /// A causal op over `seqs` (scale 0.125, no window).
+    fn causal(seqs: Vec<AttnSeq>, nh: usize, nkv: usize, hd: usize, bs: usize) -> PagedAttention {
+        PagedAttention {
+            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            block_size: bs,
+            scale: 0.125,
+            window: None,
+            causal: true,
+        }
+    }
+
     /// `hd` 16: scalar loops; 64: the SIMD ones (3 query heads per kv head).
     fn check(causal: bool, window: Option<usize>) {
         check_shape(causal, window, 4, 2, 16);
@@ -934,16 +948,7 @@ mod tests {
             },
         ];
         let q = Tensor::randn(0f32, 1.0, (5, nh, hd), &dev).unwrap();
-        let op = PagedAttention {
-            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            block_size: bs,
-            scale: 0.125,
-            window: None,
-            causal: true,
-        };
+        let op = causal(seqs, nh, nkv, hd, bs);
         for dt in [candle_core::DType::F32, candle_core::DType::F16] {
             let (k, v) = (kc.to_dtype(dt).unwrap(), vc.to_dtype(dt).unwrap());
             let a = op.forward(&q, &k, &v).unwrap();
@@ -962,16 +967,7 @@ mod tests {
             kv_len,
             block_table: vec![0; 128],
         };
-        let op = |seqs| PagedAttention {
-            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-            num_heads: 9,
-            num_kv_heads: 3,
-            head_dim: 64,
-            block_size: 16,
-            scale: 0.125,
-            window: None,
-            causal: true,
-        };
+        let op = |seqs| causal(seqs, 9, 3, 64, 16);
         let shape = |w: &Work| {
             w.chunks
                 .iter()
@@ -1017,16 +1013,7 @@ mod tests {
             kv_len: 1100,
             block_table: table(0, 69),
         };
-        let op = |seqs| PagedAttention {
-            seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            block_size: bs,
-            scale: 0.125,
-            window: None,
-            causal: true,
-        };
+        let op = |seqs| causal(seqs, nh, nkv, hd, bs);
         let q = Tensor::randn(0f32, 1.0, (12, nh, hd), &dev).unwrap();
         for dt in [candle_core::DType::F32, candle_core::DType::F16] {
             let (k, v) = (kc.to_dtype(dt).unwrap(), vc.to_dtype(dt).unwrap());
