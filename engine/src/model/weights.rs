@@ -64,7 +64,9 @@ pub fn open_gguf(path: &Path) -> Result<(std::fs::File, gguf_file::Content)> {
         .metadata()
         .with_context(|| format!("cannot stat {}", path.display()))?
         .len();
-    let ct = gguf_file::Content::read(&mut file).map_err(|e| {
+    // Buffered: the header is ~100k small reads (a vocabulary and its merges as strings),
+    // each a system call on the bare file. Tensors are read later at their own offsets.
+    let ct = gguf_file::Content::read(&mut std::io::BufReader::new(&mut file)).map_err(|e| {
         anyhow::anyhow!(
             "{} is not a readable GGUF file ({len} bytes): {e}",
             path.display()
