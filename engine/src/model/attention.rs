@@ -296,7 +296,7 @@ impl PagedAttention {
     fn work(&self, threads: usize) -> Work {
         let want = 2 * threads;
         let mut rc = 8;
-        let mut chunks;
+        let (mut chunks, mut units);
         loop {
             chunks = Vec::new();
             for (si, s) in self.seqs.iter().enumerate() {
@@ -328,13 +328,12 @@ impl PagedAttention {
                     r += nr;
                 }
             }
-            let units: usize = chunks.iter().map(|c| c.parts).sum();
+            units = chunks.iter().map(|c| c.parts).sum::<usize>();
             if rc == 1 || units * self.num_kv_heads >= want {
                 break;
             }
             rc /= 2;
         }
-        let units: usize = chunks.iter().map(|c| c.parts).sum();
         // All kv heads in one task read each cache row whole (a row holds every head);
         // the heads are split (before the rows are) only when there would be too few tasks.
         let head_groups = if units >= want { 1 } else { self.num_kv_heads };
@@ -348,13 +347,14 @@ impl PagedAttention {
             }
             for p in 0..c.parts {
                 for g in 0..head_groups {
-                    tasks.push((ci, p, g, head_groups));
+                    tasks.push((ci, p, g));
                 }
             }
         }
         Work {
             chunks,
             tasks,
+            head_groups,
             scratch,
         }
     }
@@ -383,10 +383,12 @@ struct Chunk {
     scratch: usize,
 }
 
-/// The tasks of one call: `(chunk, part, head group, head groups)`.
+/// The tasks of one call: `(chunk, part, head group)`.
 struct Work {
     chunks: Vec<Chunk>,
-    tasks: Vec<(usize, usize, usize, usize)>,
+    tasks: Vec<(usize, usize, usize)>,
+    /// Groups the kv heads are split into (1: every task covers all of them).
+    head_groups: usize,
     scratch: usize,
 }
 
@@ -543,8 +545,8 @@ impl CustomOp3 for PagedAttention {
         };
         let tasks = &work.tasks;
         crate::kernels::pool::run(tasks.len(), &|ti| {
-            let (ci, part, g, groups) = tasks[ti];
-            let per = nkv.div_ceil(groups);
+            let (ci, part, g) = tasks[ti];
+            let per = nkv.div_ceil(work.head_groups);
             for kvh in g * per..((g + 1) * per).min(nkv) {
                 attend(&work.chunks[ci], part, kvh);
             }
