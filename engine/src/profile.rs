@@ -69,108 +69,193 @@ pub struct Point {
     pub dropped: usize,
 }
 
-/// Measures SPS(B) for every B of the grid. `progress(point)` is called after each.
+/// Measures SPS(B) for every B of the grid. `progress(point)` is called for each at the end.
+///
+/// The points are measured in interleaved rounds (one step of every B per round, the order
+/// reversed every other round), not one B after another: a machine whose speed drifts (a
+/// neighbour's load, frequency, another process taking a core for a while) then slows every
+/// point alike instead of making the points measured during the slow minutes look dear, and
+/// the cost table's ratios SPS(B)/SPS(1), which are what the scheduler acts on, stay right.
+/// A point's time is the median of its repetitions.
+///
+/// All points share one set of sequences (as many as the largest B needs, their contexts
+/// filled once); B tokens go to the first `ceil(B / tokens_per_seq)` of them.
 pub fn measure(
     model: &Model,
     kv: &mut KvCache,
     opts: &ProfileOptions,
     progress: &mut dyn FnMut(&Point),
 ) -> Result<Vec<Point>> {
-    let mut points = Vec::new();
-    for &b in &opts.grid {
-        let b = b as usize;
-        let per = opts.tokens_per_seq.clamp(1, b);
-        let nseq = b.div_ceil(per);
-        let mut tables = Vec::new();
-        for _ in 0..nseq {
-            let mut t = Vec::new();
-            anyhow::ensure!(
-                kv.ensure(&mut t, opts.context + per),
-                "KV cache too small to profile B={b} with context {}",
-                opts.context
-            );
-            tables.push(t);
-        }
-        // Fill the contexts (one batched prefill), then time the B-token steps.
-        let vocab = model.cfg.vocab_size as u32;
-        let ctx_batch: Vec<SeqBatch> = tables
-            .iter()
-            .enumerate()
-            .map(|(i, t)| SeqBatch {
-                tokens: (0..opts.context)
-                    .map(|j| ((i * 7919 + j * 104_729) as u32 % (vocab - 1)) + 1)
-                    .collect(),
-                start_pos: 0,
-                block_table: t.clone(),
-                num_logits: 0,
-            })
-            .collect();
-        if opts.context > 0 {
-            model.forward(&ctx_batch, kv, &[])?;
-        }
-        let mut left = b;
-        let step: Vec<SeqBatch> = tables
-            .iter()
-            .map(|t| {
-                let n = per.min(left);
-                left -= n;
-                SeqBatch {
-                    tokens: (0..n as u32).map(|j| 100 + j).collect(),
-                    start_pos: opts.context,
-                    block_table: t.clone(),
-                    num_logits: n,
-                }
-            })
-            .filter(|s| !s.tokens.is_empty())
-            .collect();
+    let grid: Vec<usize> = opts.grid.iter().map(|&b| b as usize).collect();
+    let per_of = |b: usize| opts.tokens_per_seq.clamp(1, b.max(1));
+    let nseq = grid
+        .iter()
+        .map(|&b| b.div_ceil(per_of(b)))
+        .max()
+        .unwrap_or(0);
+    let width = grid.iter().map(|&b| per_of(b)).max().unwrap_or(1);
+    let mut tables = Vec::new();
+    for _ in 0..nseq {
+        let mut t = Vec::new();
+        anyhow::ensure!(
+            kv.ensure(&mut t, opts.context + width),
+            "KV cache too small to profile {nseq} sequences with context {}",
+            opts.context
+        );
+        tables.push(t);
+    }
+    let result = measure_on(model, kv, opts, &grid, &tables, progress);
+    for mut t in tables {
+        kv.truncate(&mut t, 0);
+    }
+    result
+}
+
+fn measure_on(
+    model: &Model,
+    kv: &mut KvCache,
+    opts: &ProfileOptions,
+    grid: &[usize],
+    tables: &[Vec<u32>],
+    progress: &mut dyn FnMut(&Point),
+) -> Result<Vec<Point>> {
+    // Fill the contexts (one batched prefill), then time the B-token steps.
+    let vocab = model.cfg.vocab_size as u32;
+    let ctx_batch: Vec<SeqBatch> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| SeqBatch {
+            tokens: (0..opts.context)
+                .map(|j| ((i * 7919 + j * 104_729) as u32 % (vocab - 1)) + 1)
+                .collect(),
+            start_pos: 0,
+            block_table: t.clone(),
+            num_logits: 0,
+        })
+        .collect();
+    if opts.context > 0 && !ctx_batch.is_empty() {
+        model.forward(&ctx_batch, kv, &[])?;
+    }
+    let steps: Vec<Vec<SeqBatch>> = grid
+        .iter()
+        .map(|&b| {
+            let per = opts.tokens_per_seq.clamp(1, b.max(1));
+            let mut left = b;
+            tables
+                .iter()
+                .map(|t| {
+                    let n = per.min(left);
+                    left -= n;
+                    SeqBatch {
+                        tokens: (0..n as u32).map(|j| 100 + j).collect(),
+                        start_pos: opts.context,
+                        block_table: t.clone(),
+                        num_logits: n,
+                    }
+                })
+                .filter(|s| !s.tokens.is_empty())
+                .collect()
+        })
+        .collect();
+    for step in &steps {
         for _ in 0..opts.warmup {
-            model.forward(&step, kv, &[])?;
-        }
-        let mut times = Vec::new();
-        let pool = crate::kernels::pool::global();
-        let mut dropped = 0;
-        loop {
-            let (serial, fallbacks) = (pool.serial_now(), pool.fallbacks());
-            let t0 = Instant::now();
-            let out = model.forward(&step, kv, &[])?;
-            // Logits must reach the host, as in serving.
-            let _ = out.logits.to_vec2::<f32>()?;
-            let dt = t0.elapsed().as_secs_f64();
-            // A step the kernel pool ran on one thread (it saw a worker descheduled: another
-            // process took a core for a moment) measures that moment, not the step, and is
-            // 1.5-2x slower: dropped and repeated (the serial period lasts a few steps), up to
-            // `max_reps` drops, so one such moment cannot make a point look dear.
-            if (serial || pool.serial_now() || pool.fallbacks() != fallbacks)
-                && dropped < opts.max_reps
-            {
-                dropped += 1;
-                continue;
-            }
-            times.push(dt);
-            let n = times.len() as f64;
-            let mean = times.iter().sum::<f64>() / n;
-            let var = times.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-            let rel = (var / n).sqrt() / mean;
-            if (times.len() >= opts.min_reps && rel < opts.target_rel_err)
-                || times.len() >= opts.max_reps
-            {
-                let p = Point {
-                    b: b as u32,
-                    seconds: mean,
-                    rel_err: rel,
-                    reps: times.len(),
-                    dropped,
-                };
-                progress(&p);
-                points.push(p);
-                break;
-            }
-        }
-        for mut t in tables {
-            kv.truncate(&mut t, 0);
+            model.forward(step, kv, &[])?;
         }
     }
+    let pool = crate::kernels::pool::global();
+    let samples = sample_interleaved(steps.len(), opts, &mut |i| {
+        let (serial, fallbacks) = (pool.serial_now(), pool.fallbacks());
+        let t0 = Instant::now();
+        let out = model.forward(&steps[i], kv, &[])?;
+        // Logits must reach the host, as in serving.
+        let _ = out.logits.to_vec2::<f32>()?;
+        let dt = t0.elapsed().as_secs_f64();
+        // A step the kernel pool ran on one thread (it saw a worker descheduled: another
+        // process took a core for a moment) measures that moment, not the step, and is
+        // 1.5-2x slower: dropped and repeated.
+        let dropped = serial || pool.serial_now() || pool.fallbacks() != fallbacks;
+        Ok((!dropped).then_some(dt))
+    })?;
+    let mut points = Vec::new();
+    for (&b, s) in grid.iter().zip(samples) {
+        let p = s.point(b as u32);
+        progress(&p);
+        points.push(p);
+    }
     Ok(points)
+}
+
+/// One point's repetitions.
+#[derive(Debug, Default, Clone)]
+struct Samples {
+    times: Vec<f64>,
+    dropped: usize,
+}
+
+impl Samples {
+    /// Relative standard error of the mean.
+    fn rel_err(&self) -> f64 {
+        let n = self.times.len() as f64;
+        if n < 2.0 {
+            return f64::INFINITY;
+        }
+        let mean = self.times.iter().sum::<f64>() / n;
+        let var = self.times.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (n - 1.0);
+        (var / n).sqrt() / mean
+    }
+
+    fn point(&self, b: u32) -> Point {
+        let mut t = self.times.clone();
+        t.sort_by(f64::total_cmp);
+        let m = t.len();
+        let median = if m == 0 {
+            f64::NAN
+        } else if m % 2 == 1 {
+            t[m / 2]
+        } else {
+            0.5 * (t[m / 2 - 1] + t[m / 2])
+        };
+        Point {
+            b,
+            seconds: median,
+            rel_err: self.rel_err(),
+            reps: m,
+            dropped: self.dropped,
+        }
+    }
+}
+
+/// Rounds of one sample of every point (`sample(i)`: seconds, or `None` for a repetition to
+/// drop and repeat, at most `max_reps` drops per point), ascending then descending, until
+/// every point has `min_reps` samples and a relative standard error below the target, or
+/// `max_reps` rounds.
+fn sample_interleaved(
+    points: usize,
+    opts: &ProfileOptions,
+    sample: &mut dyn FnMut(usize) -> Result<Option<f64>>,
+) -> Result<Vec<Samples>> {
+    let mut s = vec![Samples::default(); points];
+    let min_reps = opts.min_reps.max(1);
+    for round in 0..opts.max_reps.max(min_reps) {
+        for k in 0..points {
+            let i = if round % 2 == 0 { k } else { points - 1 - k };
+            loop {
+                match sample(i)? {
+                    Some(t) => {
+                        s[i].times.push(t);
+                        break;
+                    }
+                    None if s[i].dropped < opts.max_reps => s[i].dropped += 1,
+                    None => break,
+                }
+            }
+        }
+        let done = |p: &Samples| p.times.len() >= min_reps && p.rel_err() < opts.target_rel_err;
+        if s.iter().all(done) {
+            break;
+        }
+    }
+    Ok(s)
 }
 
 /// What [`measure_draft`] measures.
@@ -466,6 +551,57 @@ mod tests {
         for (a, b) in back.iter().zip(&clean) {
             assert!((a.1 - b.1).abs() < 1e-15, "{a:?} vs {b:?}");
         }
+    }
+
+    /// A machine that slows down steadily while profiling (drift to 1.3x over the run) and
+    /// has one burst of contention: measured one B after another, the last points would look
+    /// ~25 % dearer than they are; in interleaved rounds every ratio to B = 1 stays within
+    /// 5 % of the truth, and the burst does not show.
+    #[test]
+    fn interleaved_rounds_keep_ratios_under_drift() {
+        let truth = [1.0, 1.1, 1.3, 1.5, 2.4, 4.0];
+        let opts = ProfileOptions {
+            min_reps: 9,
+            max_reps: 9,
+            target_rel_err: 0.0,
+            ..Default::default()
+        };
+        let total = (truth.len() * opts.max_reps) as f64;
+        let mut calls = 0usize;
+        let mut dropped_once = false;
+        let s = sample_interleaved(truth.len(), &opts, &mut |i| {
+            calls += 1;
+            if i == 2 && !dropped_once {
+                dropped_once = true;
+                return Ok(None);
+            }
+            let drift = 1.0 + 0.3 * calls as f64 / total;
+            let burst = if (20..23).contains(&calls) { 3.0 } else { 1.0 };
+            Ok(Some(truth[i] * drift * burst))
+        })
+        .unwrap();
+        let t: Vec<f64> = s
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.point(i as u32).seconds)
+            .collect();
+        for (i, (&m, &x)) in t.iter().zip(&truth).enumerate() {
+            let (got, want) = (m / t[0], x / truth[0]);
+            assert!(
+                (got / want - 1.0).abs() < 0.05,
+                "B#{i}: ratio {got} vs {want}"
+            );
+        }
+        assert!(s.iter().all(|p| p.times.len() == 9));
+        assert_eq!((s[2].dropped, s[0].dropped), (1, 0));
+        // The same drift measured point after point: the last point's ratio is far off.
+        let seq: Vec<f64> = (0..truth.len())
+            .map(|i| {
+                let mid = (i as f64 + 0.5) / truth.len() as f64;
+                truth[i] * (1.0 + 0.3 * mid)
+            })
+            .collect();
+        assert!(seq[5] / seq[0] / (truth[5] / truth[0]) > 1.2);
     }
 
     #[test]
