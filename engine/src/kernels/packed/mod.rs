@@ -11,7 +11,7 @@
 //! `vpdpbusd`, or `maddubs` with an `i16` accumulator), and the block's sum lands in the
 //! row's own lane. The scales of `lanes` rows are one vector, so a block costs one convert
 //! and one FMA per input row for all of them, with no horizontal reduction at all; the
-//! unpacked weights stay in registers for up to 4 input rows.
+//! unpacked weights stay in registers for up to [`max_rows`] input rows.
 //!
 //! Packed layout, per group of `lanes` rows, block after block (`nb` blocks per row), with
 //! `V = 4 * lanes` bytes per vector:
@@ -38,23 +38,30 @@ use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 use super::q8::Q8Block;
 use super::{Isa, QType};
 
-/// Dispatches `$m::group::<R, KIND>(args)` over the runtime row count (1..=4) and weight kind.
+/// Dispatches `$m::group::<R, KIND>(args)` over the runtime row count and weight kind: 1..=4
+/// rows for AVX2 (16 vector registers), 1..=8 for AVX-512 (32).
 macro_rules! dispatch {
     ($m:ident, $kind:expr, $rows:expr, $($arg:expr),*) => {
-        match ($kind, $rows) {
-            (1, 4) => $m::group::<4, 1>($($arg),*),
-            (1, 3) => $m::group::<3, 1>($($arg),*),
-            (1, 2) => $m::group::<2, 1>($($arg),*),
-            (1, _) => $m::group::<1, 1>($($arg),*),
-            (0, 4) => $m::group::<4, 0>($($arg),*),
-            (0, 3) => $m::group::<3, 0>($($arg),*),
-            (0, 2) => $m::group::<2, 0>($($arg),*),
-            (0, _) => $m::group::<1, 0>($($arg),*),
-            (_, 4) => $m::group::<4, 8>($($arg),*),
-            (_, 3) => $m::group::<3, 8>($($arg),*),
-            (_, 2) => $m::group::<2, 8>($($arg),*),
-            (_, _) => $m::group::<1, 8>($($arg),*),
+        match $kind {
+            1 => dispatch!(@rows $m, 1, $rows, ($($arg),*)),
+            0 => dispatch!(@rows $m, 0, $rows, ($($arg),*)),
+            _ => dispatch!(@rows $m, 8, $rows, ($($arg),*)),
         }
+    };
+    (@rows avx2, $k:literal, $rows:expr, $args:tt) => {
+        dispatch!(@each avx2, $k, $rows, $args, [4 3 2])
+    };
+    (@rows avx512, $k:literal, $rows:expr, $args:tt) => {
+        dispatch!(@each avx512, $k, $rows, $args, [8 7 6 5 4 3 2])
+    };
+    (@each $m:ident, $k:literal, $rows:expr, $args:tt, [$($r:literal)*]) => {
+        match $rows {
+            $($r => dispatch!(@call $m, $r, $k, $args),)*
+            _ => dispatch!(@call $m, 1, $k, $args),
+        }
+    };
+    (@call $m:ident, $r:literal, $k:literal, ($($arg:expr),*)) => {
+        $m::group::<$r, $k>($($arg),*)
     };
 }
 
@@ -190,7 +197,7 @@ impl Packed {
     pub unsafe fn run(&self, acts: &[Q8Block], m: usize, j0: usize, j1: usize, out: *mut f32) {
         // SAFETY: the caller guarantees `self.isa` runs here and that columns `j0..j1` of the
         // `m * n` buffer at `out` are ours; `acts` holds `m * nb` blocks (asserted), so the
-        // kernels read `rows <= 4` activation rows of `nb` blocks from `a` and one packed group
+        // kernels read `rows <= max_rows(isa)` activation rows of `nb` blocks from `a` and one packed group
         // `w`, and write `rows` output rows of `lanes` columns at `o`, inside that range.
         unsafe {
             let lanes = self.lanes();
@@ -203,7 +210,7 @@ impl Packed {
             let pf = prefetch_distance();
             let mut r0 = 0;
             while r0 < m {
-                let rows = (m - r0).min(4);
+                let rows = (m - r0).min(max_rows(self.isa));
                 let a = &acts[r0 * nb..];
                 for g in j0 / lanes..j1 / lanes {
                     let w = &self.data[g * gb..(g + 1) * gb];
@@ -217,6 +224,17 @@ impl Packed {
                 r0 += rows;
             }
         }
+    }
+}
+
+/// Input rows one pass of the kernels keeps in registers, each with its accumulator, while
+/// the unpacked weight block stays in registers too: 4 with AVX2's 16 vector registers, 8
+/// with AVX-512's 32 (a verify step of 8 rows unpacks every weight block once, not twice).
+pub fn max_rows(isa: Isa) -> usize {
+    if isa >= Isa::Avx512Vnni {
+        8
+    } else {
+        4
     }
 }
 
