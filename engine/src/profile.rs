@@ -87,7 +87,7 @@ pub fn measure(
     progress: &mut dyn FnMut(&Point),
 ) -> Result<Vec<Point>> {
     let grid: Vec<usize> = opts.grid.iter().map(|&b| b as usize).collect();
-    let per_of = |b: usize| opts.tokens_per_seq.clamp(1, b.max(1));
+    let per_of = |b| per_seq(opts, b);
     let nseq = grid
         .iter()
         .map(|&b| b.div_ceil(per_of(b)))
@@ -109,6 +109,11 @@ pub fn measure(
         kv.truncate(&mut t, 0);
     }
     result
+}
+
+/// Tokens each sequence contributes to a step of `b` tokens.
+fn per_seq(opts: &ProfileOptions, b: usize) -> usize {
+    opts.tokens_per_seq.clamp(1, b.max(1))
 }
 
 fn measure_on(
@@ -139,7 +144,7 @@ fn measure_on(
     let steps: Vec<Vec<SeqBatch>> = grid
         .iter()
         .map(|&b| {
-            let per = opts.tokens_per_seq.clamp(1, b.max(1));
+            let per = per_seq(opts, b);
             let mut left = b;
             tables
                 .iter()
@@ -172,9 +177,9 @@ fn measure_on(
         let dt = t0.elapsed().as_secs_f64();
         // A step the kernel pool ran on one thread (it saw a worker descheduled: another
         // process took a core for a moment) measures that moment, not the step, and is
-        // 1.5-2x slower: dropped and repeated.
-        let dropped = serial || pool.serial_now() || pool.fallbacks() != fallbacks;
-        Ok((!dropped).then_some(dt))
+        // 1.5-2x slower.
+        let serial = serial || pool.serial_now() || pool.fallbacks() != fallbacks;
+        Ok((dt, serial))
     })?;
     let mut points = Vec::new();
     for (&b, s) in grid.iter().zip(samples) {
@@ -225,14 +230,15 @@ impl Samples {
     }
 }
 
-/// Rounds of one sample of every point (`sample(i)`: seconds, or `None` for a repetition to
-/// drop and repeat, at most `max_reps` drops per point), ascending then descending, until
-/// every point has `min_reps` samples and a relative standard error below the target, or
-/// `max_reps` rounds.
+/// Rounds of one sample of every point (`sample(i)`: seconds and whether the step ran
+/// serially), ascending then descending, until every point has `min_reps` samples and a
+/// relative standard error below the target, or `max_reps` rounds. A serial repetition is
+/// dropped and repeated, up to `max_reps` drops per point (then kept), so one such moment
+/// cannot make a point look dear and a machine that is always contended still gets a table.
 fn sample_interleaved(
     points: usize,
     opts: &ProfileOptions,
-    sample: &mut dyn FnMut(usize) -> Result<Option<f64>>,
+    sample: &mut dyn FnMut(usize) -> Result<(f64, bool)>,
 ) -> Result<Vec<Samples>> {
     let mut s = vec![Samples::default(); points];
     let min_reps = opts.min_reps.max(1);
@@ -240,14 +246,13 @@ fn sample_interleaved(
         for k in 0..points {
             let i = if round % 2 == 0 { k } else { points - 1 - k };
             loop {
-                match sample(i)? {
-                    Some(t) => {
-                        s[i].times.push(t);
-                        break;
-                    }
-                    None if s[i].dropped < opts.max_reps => s[i].dropped += 1,
-                    None => break,
+                let (t, serial) = sample(i)?;
+                if serial && s[i].dropped < opts.max_reps {
+                    s[i].dropped += 1;
+                    continue;
                 }
+                s[i].times.push(t);
+                break;
             }
         }
         let done = |p: &Samples| p.times.len() >= min_reps && p.rel_err() < opts.target_rel_err;
@@ -573,11 +578,11 @@ mod tests {
             calls += 1;
             if i == 2 && !dropped_once {
                 dropped_once = true;
-                return Ok(None);
+                return Ok((99.0, true));
             }
             let drift = 1.0 + 0.3 * calls as f64 / total;
             let burst = if (20..23).contains(&calls) { 3.0 } else { 1.0 };
-            Ok(Some(truth[i] * drift * burst))
+            Ok((truth[i] * drift * burst, false))
         })
         .unwrap();
         let t: Vec<f64> = s

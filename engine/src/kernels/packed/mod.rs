@@ -197,8 +197,9 @@ impl Packed {
     pub unsafe fn run(&self, acts: &[Q8Block], m: usize, j0: usize, j1: usize, out: *mut f32) {
         // SAFETY: the caller guarantees `self.isa` runs here and that columns `j0..j1` of the
         // `m * n` buffer at `out` are ours; `acts` holds `m * nb` blocks (asserted), so the
-        // kernels read `rows <= max_rows(isa)` activation rows of `nb` blocks from `a` and one packed group
-        // `w`, and write `rows` output rows of `lanes` columns at `o`, inside that range.
+        // kernels read `rows <= max_rows(isa)` activation rows of `nb` blocks from `a` and
+        // one packed group `w`, and write `rows` output rows of `lanes` columns at `o`,
+        // inside that range.
         unsafe {
             let lanes = self.lanes();
             debug_assert!(j0.is_multiple_of(lanes) && j1.is_multiple_of(lanes) && j1 <= self.n);
