@@ -363,3 +363,132 @@ fn bench() {
         }
     }
 }
+
+/// Raw ggml blocks of random quants with a fixed valid scale (1/64 as f16), for benches
+/// that need model-sized weights fast.
+fn raw_blocks(ty: QType, n: usize, k: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let bs = ty.type_size();
+    let mut out = vec![0u8; n * k / ty.block_size() * bs];
+    rng.fill(&mut out[..]);
+    for b in out.chunks_mut(bs) {
+        b[0..2].copy_from_slice(&0x2400u16.to_le_bytes());
+        if ty == QType::Q4_1 {
+            b[2..4].copy_from_slice(&0xa400u16.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The matmuls of one SmolLM2-135M decode step over distinct, model-sized weights (30
+/// layers of Q4_1 q/k/v, o, gate/up, down, then the Q8_0 LM head: 96 MB, far past the
+/// caches), at m = 1..8 rows: what a verify step's extra rows cost when the weights stream
+/// from memory (the cache-resident `bench` cannot show it). `cargo test --release -p
+/// dspark-engine --lib kernels::tests::bench_stream -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn bench_stream() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let isa = Isa::detect();
+    let mk = |ty: QType, n: usize, k: usize, rng: &mut ChaCha8Rng| {
+        let d = raw_blocks(ty, n, k, rng);
+        let p = packed::Packed::supports(ty, n, k, isa)
+            .then(|| packed::Packed::new(ty, n, k, &d, isa).unwrap());
+        (ty, n, k, d, p)
+    };
+    type M = (QType, usize, usize, Vec<u8>, Option<packed::Packed>);
+    fn qm(w: &M) -> QMatrix<'_> {
+        QMatrix::new(w.0, w.1, w.2, &w.3)
+            .unwrap()
+            .with_packed(w.4.as_ref())
+    }
+    let mut layers: Vec<[M; 7]> = Vec::new();
+    for _ in 0..30 {
+        layers.push([
+            mk(QType::Q4_1, 576, 576, &mut rng),
+            mk(QType::Q4_1, 192, 576, &mut rng),
+            mk(QType::Q4_1, 192, 576, &mut rng),
+            mk(QType::Q4_1, 576, 576, &mut rng),
+            mk(QType::Q4_1, 1536, 576, &mut rng),
+            mk(QType::Q4_1, 1536, 576, &mut rng),
+            mk(QType::Q4_1, 576, 1536, &mut rng),
+        ]);
+    }
+    let head = mk(QType::Q8_0, 49152, 576, &mut rng);
+    let bytes: usize = layers.iter().flatten().map(|w| w.3.len()).sum::<usize>() + head.3.len();
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); 9];
+    let ms = [1usize, 2, 3, 4, 8];
+    for round in 0..12 {
+        for &m in &ms {
+            let x = random(m * 1536, &mut rng);
+            let mut o = vec![vec![0f32; m * 1536]; 3];
+            let t = std::time::Instant::now();
+            let mut sec = [0f64; 5];
+            let mut ts = std::time::Instant::now();
+            let mut lap = |i: usize| {
+                let n = std::time::Instant::now();
+                sec[i] += (n - ts).as_secs_f64();
+                ts = n;
+            };
+            for l in &layers {
+                let [a, b, c] = &mut o[..] else {
+                    unreachable!()
+                };
+                matmul_many(
+                    &[qm(&l[0]), qm(&l[1]), qm(&l[2])],
+                    &x[..m * 576],
+                    m,
+                    &mut [&mut a[..m * 576], &mut b[..m * 192], &mut c[..m * 192]],
+                );
+                lap(0);
+                qm(&l[3]).matmul(&x[..m * 576], m, &mut a[..m * 576]);
+                lap(1);
+                let [a, b, _] = &mut o[..] else {
+                    unreachable!()
+                };
+                matmul_many(
+                    &[qm(&l[4]), qm(&l[5])],
+                    &x[..m * 576],
+                    m,
+                    &mut [&mut a[..m * 1536], &mut b[..m * 1536]],
+                );
+                lap(2);
+                qm(&l[6]).matmul(&x[..m * 1536], m, &mut a[..m * 576]);
+                lap(3);
+            }
+            let mut y = vec![0f32; m * 49152];
+            qm(&head).matmul(&x[..m * 576], m, &mut y);
+            lap(4);
+            if round == 11 {
+                let us: Vec<String> = sec.iter().map(|s| format!("{:.0}", s * 1e6)).collect();
+                println!(
+                    "m={m}, last round, us: q/k/v, o, gate/up, down, head = {}",
+                    us.join(", ")
+                );
+            }
+            if round > 1 {
+                times[m].push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    for &m in &ms {
+        let mut v = times[m].clone();
+        v.sort_by(f64::total_cmp);
+        let med = v[v.len() / 2];
+        let one = {
+            let mut u = times[1].clone();
+            u.sort_by(f64::total_cmp);
+            u[u.len() / 2]
+        };
+        println!(
+            "{isa:?} stream m={m}: {:.3} ms, {:.1} GB/s, x{:.3} of m=1, +{:.3} ms per extra row",
+            med * 1e3,
+            bytes as f64 / med / 1e9,
+            med / one,
+            if m > 1 {
+                (med - one) * 1e3 / (m - 1) as f64
+            } else {
+                0.0
+            }
+        );
+    }
+}
