@@ -259,6 +259,7 @@ struct ServeArgs {
 
 fn main() -> Result<()> {
     dspark_engine::kernels::pool::pin_candle_threads();
+    dspark_engine::kernels::pool::keep_freed_memory();
     // Logs (DSPARK_LOG_FORMAT=json for JSON), and OTLP traces + metrics when OTEL_* asks.
     let telemetry = dspark_telemetry::init("dspark-engine")?;
     let cli = Cli::parse();

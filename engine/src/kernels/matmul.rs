@@ -78,18 +78,14 @@ pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     assert_eq!(x.len(), m * k, "input length");
     let nb = k / K::BLOCK;
     let mut acts = vec![K::A::default(); m * nb];
-    if m * k >= 1 << 16 {
-        let ptr = pool::SharedMut::new(&mut acts);
-        pool::run(m, &|i| {
-            // SAFETY: task i writes only row i's `nb` blocks.
-            let a = unsafe { ptr.slice(i * nb, nb) };
-            K::quantize(&x[i * k..(i + 1) * k], a)
-        });
-    } else {
-        for (a, x) in acts.chunks_mut(nb).zip(x.chunks(k)) {
+    let ptr = pool::SharedMut::new(&mut acts);
+    pool::for_rows(m, crate::model::ops::PAR_ROWS, 1, &|r0, r1| {
+        // SAFETY: this range writes only rows r0..r1's blocks.
+        let a = unsafe { ptr.slice(r0 * nb, (r1 - r0) * nb) };
+        for (a, x) in a.chunks_mut(nb).zip(x[r0 * k..r1 * k].chunks(k)) {
             K::quantize(x, a);
         }
-    }
+    });
     acts
 }
 

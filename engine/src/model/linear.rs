@@ -187,20 +187,19 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
             }
         }
     };
-    const PAR: usize = 1 << 16;
-    if g.len() >= 2 * PAR {
-        let chunks = g.len().div_ceil(PAR / 2);
-        let len = g.len();
-        let gp = crate::kernels::pool::SharedMut::new(&mut g);
-        crate::kernels::pool::run(chunks, &|c| {
-            let (a, b) = (c * PAR / 2, ((c + 1) * PAR / 2).min(len));
-            // SAFETY: chunk c covers a..b of `g` only.
-            let g = unsafe { gp.slice(a, b - a) };
-            f(g, &u[a..b])
-        });
-    } else {
-        f(&mut g, &u);
-    }
+    // Whole rows per range: every value goes through the same (vector or tail) path as
+    // when one call did them all.
+    let width = gate.kernel.as_ref().map_or(g.len(), |o| o.n).max(1);
+    let rows = g.len() / width;
+    // Ranges start on multiples of 8 values (the vector width of `silu_mul`).
+    let align = (1..=8).find(|a| (a * width).is_multiple_of(8)).unwrap_or(8);
+    let gp = crate::kernels::pool::SharedMut::new(&mut g);
+    crate::kernels::pool::for_rows(rows, super::ops::PAR_ROWS / 2, align, &|r0, r1| {
+        let (a, b) = (r0 * width, r1 * width);
+        // SAFETY: this range covers a..b of `g` only.
+        let g = unsafe { gp.slice(a, b - a) };
+        f(g, &u[a..b])
+    });
     let mut shape = dims;
     *shape.last_mut().expect("rank >= 1") = gate.kernel.as_ref().map_or(0, |o| o.n);
     Tensor::from_vec(g, shape, &Device::Cpu)

@@ -43,16 +43,27 @@ pub fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
                 if cs.len() < t * half || ss.len() < t * half {
                     candle_core::bail!("rope: cos/sin tables shorter than {t} positions");
                 }
-                for (i, (src, out)) in xs.chunks_exact(d).zip(dst.chunks_exact_mut(d)).enumerate() {
-                    let i_t = i / h;
-                    let (c, s) = (&cs[i_t * half..][..half], &ss[i_t * half..][..half]);
-                    let (x1, x2) = src.split_at(half);
-                    let (o1, o2) = out.split_at_mut(half);
-                    for j in 0..half {
-                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
-                        o2[j] = x1[j] * s[j] + x2[j] * c[j];
-                    }
+                if xs.len() != t * h * d {
+                    candle_core::bail!("rope: {} values for [{t}, {h}, {d}]", xs.len());
                 }
+                let out = crate::kernels::pool::SharedMut::new(&mut dst);
+                crate::kernels::pool::for_rows(t, PAR_ROWS, 1, &|t0, t1| {
+                    // SAFETY: this range writes only rows t0..t1 of `dst`.
+                    let dst = unsafe { out.slice(t0 * h * d, (t1 - t0) * h * d) };
+                    let src = &xs[t0 * h * d..t1 * h * d];
+                    for (i, (src, out)) in
+                        src.chunks_exact(d).zip(dst.chunks_exact_mut(d)).enumerate()
+                    {
+                        let i_t = t0 + i / h;
+                        let (c, s) = (&cs[i_t * half..][..half], &ss[i_t * half..][..half]);
+                        let (x1, x2) = src.split_at(half);
+                        let (o1, o2) = out.split_at_mut(half);
+                        for j in 0..half {
+                            o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                            o2[j] = x1[j] * s[j] + x2[j] * c[j];
+                        }
+                    }
+                });
                 Ok(())
             })
         })
@@ -60,8 +71,9 @@ pub fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(dst, (t, h, d), &Device::Cpu)
 }
 
-/// Rows of RMSNorm below which one thread does them all (a row is a few hundred values).
-const NORM_PAR_ROWS: usize = 256;
+/// Token rows per parallel range of the per-row ops (a row is a few hundred values, well
+/// under a microsecond; fewer than twice this many stay on the calling thread).
+pub const PAR_ROWS: usize = 8;
 
 /// RMSNorm over the last dimension (candle-nn's `rms_norm`): `x / sqrt(mean(x^2) + eps) * w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
@@ -88,13 +100,12 @@ pub fn add_rms_norm(x: &Tensor, y: &Tensor, w: &Tensor, eps: f32) -> Result<(Ten
     let (mut sum, mut dst) = (Vec::new(), Vec::new());
     with_f32(x, |xs| {
         with_f32(y, |ys| {
-            sum = xs.iter().zip(ys).map(|(a, b)| a + b).collect();
-            Ok(())
+            with_f32(w, |alpha| {
+                sum = vec![0f32; xs.len()];
+                dst = vec![0f32; xs.len()];
+                add_norm_rows(xs, ys, alpha, eps, &mut sum, &mut dst)
+            })
         })
-    })?;
-    with_f32(w, |alpha| {
-        dst = vec![0f32; sum.len()];
-        norm_rows(&sum, alpha, eps, &mut dst)
     })?;
     Ok((
         Tensor::from_vec(sum, x.dims(), &Device::Cpu)?,
@@ -108,9 +119,26 @@ fn cpu_f32(x: &Tensor) -> bool {
 
 /// The rows of `xs` (each `alpha.len()` long) normalised into `dst`.
 fn norm_rows(xs: &[f32], alpha: &[f32], eps: f32, dst: &mut [f32]) -> Result<()> {
+    add_norm_rows(xs, &[], alpha, eps, &mut [], dst)
+}
+
+/// [`norm_rows`] of `xs + ys` (written to `sum`), or of `xs` when `ys` is empty, over row
+/// ranges on the kernel pool: the same per-row arithmetic whatever the ranges.
+fn add_norm_rows(
+    xs: &[f32],
+    ys: &[f32],
+    alpha: &[f32],
+    eps: f32,
+    sum: &mut [f32],
+    dst: &mut [f32],
+) -> Result<()> {
     let n = alpha.len();
     if n == 0 || !xs.len().is_multiple_of(n) {
         candle_core::bail!("rms_norm: weight of {n} for {} values", xs.len());
+    }
+    let add = !ys.is_empty();
+    if dst.len() != xs.len() || (add && (ys.len() != xs.len() || sum.len() != xs.len())) {
+        candle_core::bail!("rms_norm: buffers of different lengths");
     }
     let rows = xs.len() / n;
     // Rows `src` (whole rows) normalised into `dst`, ROWS at a time: each row's sum of
@@ -134,19 +162,25 @@ fn norm_rows(xs: &[f32], alpha: &[f32], eps: f32, dst: &mut [f32]) -> Result<()>
             }
         }
     };
-    if rows < NORM_PAR_ROWS {
-        run(xs, dst);
-    } else {
-        let per = NORM_PAR_ROWS / 4;
-        let out = crate::kernels::pool::SharedMut::new(dst);
-        crate::kernels::pool::run(rows.div_ceil(per), &|t| {
-            let r0 = t * per;
-            let r1 = (r0 + per).min(rows);
-            // SAFETY: task t writes only rows r0..r1 of `dst`.
-            let d = unsafe { out.slice(r0 * n, (r1 - r0) * n) };
-            run(&xs[r0 * n..r1 * n], d);
-        });
-    }
+    let (out, sums) = (
+        crate::kernels::pool::SharedMut::new(dst),
+        crate::kernels::pool::SharedMut::new(sum),
+    );
+    crate::kernels::pool::for_rows(rows, PAR_ROWS, ROWS, &|r0, r1| {
+        let (a, len) = (r0 * n, (r1 - r0) * n);
+        // SAFETY: this range writes only rows r0..r1 of `dst` (and of `sum`).
+        let d = unsafe { out.slice(a, len) };
+        if add {
+            // SAFETY: as above.
+            let s = unsafe { sums.slice(a, len) };
+            for ((s, x), y) in s.iter_mut().zip(&xs[a..a + len]).zip(&ys[a..a + len]) {
+                *s = x + y;
+            }
+            run(s, d);
+        } else {
+            run(&xs[a..a + len], d);
+        }
+    });
     Ok(())
 }
 
@@ -192,20 +226,44 @@ impl candle_core::InplaceOp2 for WriteRows<'_> {
         if let Some(&bad) = self.slots.iter().find(|&&s| s as usize >= cap) {
             candle_core::bail!("write-rows: slot {bad} outside a cache of {cap}");
         }
-        let rows = self.slots.iter().zip(src.chunks_exact(width));
+        let n = self.slots.len();
+        // Each range writes its own rows' slots; distinct rows name distinct slots (a step
+        // writes each slot once), and a repeated slot is written by one range only.
+        let par = 4 * PAR_ROWS;
+        let distinct = n >= 2 * par && {
+            let mut s = self.slots.to_vec();
+            s.sort_unstable();
+            s.windows(2).all(|w| w[0] != w[1])
+        };
+        let min = if distinct { par } else { usize::MAX / 2 };
         match dst {
             CpuStorage::F32(d) => {
-                for (&s, r) in rows {
-                    let at = d0 + s as usize * width;
-                    d[at..at + width].copy_from_slice(r);
-                }
+                let d = crate::kernels::pool::SharedMut::new(d);
+                crate::kernels::pool::for_rows(n, min, 1, &|r0, r1| {
+                    for (&s, r) in self.slots[r0..r1]
+                        .iter()
+                        .zip(src[r0 * width..].chunks_exact(width))
+                    {
+                        let at = d0 + s as usize * width;
+                        // SAFETY: slots are distinct (or one range writes all) and inside
+                        // the cache (checked above).
+                        unsafe { d.slice(at, width) }.copy_from_slice(r);
+                    }
+                });
             }
             CpuStorage::F16(d) => {
                 use half::slice::HalfFloatSliceExt;
-                for (&s, r) in rows {
-                    let at = d0 + s as usize * width;
-                    d[at..at + width].convert_from_f32_slice(r);
-                }
+                let d = crate::kernels::pool::SharedMut::new(d);
+                crate::kernels::pool::for_rows(n, min, 1, &|r0, r1| {
+                    for (&s, r) in self.slots[r0..r1]
+                        .iter()
+                        .zip(src[r0 * width..].chunks_exact(width))
+                    {
+                        let at = d0 + s as usize * width;
+                        // SAFETY: as above.
+                        unsafe { d.slice(at, width) }.convert_from_f32_slice(r);
+                    }
+                });
             }
             _ => candle_core::bail!("write-rows: the cache must be f32 or f16"),
         }
@@ -219,11 +277,21 @@ mod tests {
 
     #[test]
     fn rope_matches_candle_nn_exactly() {
+        // 5 rows: one thread; 37: ranges on the kernel pool.
+        for (t, pos) in [
+            (5, vec![3u32, 9, 10, 11, 40]),
+            (37, (0..37u32).map(|i| 3 * i % 61).collect()),
+        ] {
+            rope_case(t, &pos);
+        }
+    }
+
+    fn rope_case(t: usize, pos: &[u32]) {
         let dev = Device::Cpu;
-        let (t, h, d) = (5, 3, 16);
+        let (h, d) = (3, 16);
         let x = Tensor::randn(0f32, 1.0, (t, h, d), &dev).unwrap();
         let (cos, sin) = crate::model::rope_table(10000.0, d, 64, &dev).unwrap();
-        let pos = Tensor::new(&[3u32, 9, 10, 11, 40], &dev).unwrap();
+        let pos = Tensor::new(pos, &dev).unwrap();
         let (c, s) = (
             cos.index_select(&pos, 0).unwrap(),
             sin.index_select(&pos, 0).unwrap(),
@@ -272,13 +340,19 @@ mod tests {
     #[test]
     fn add_rms_norm_is_the_sum_and_its_norm() {
         let dev = Device::Cpu;
+        // 5 rows: one thread; 45: ranges on the kernel pool.
+        for rows in [5, 45] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 96), &dev).unwrap();
+            let y = Tensor::randn(0f32, 1.0, (rows, 96), &dev).unwrap();
+            let w = Tensor::randn(1f32, 0.1, 96, &dev).unwrap();
+            let (sum, normed) = add_rms_norm(&x, &y, &w, 1e-6).unwrap();
+            let want_sum = (&x + &y).unwrap();
+            assert_eq!(values(&sum), values(&want_sum), "{rows} rows");
+            let want = candle_nn::ops::rms_norm(&want_sum, &w, 1e-6).unwrap();
+            assert_eq!(values(&normed), values(&want), "{rows} rows");
+        }
         let x = Tensor::randn(0f32, 1.0, (5, 96), &dev).unwrap();
         let y = Tensor::randn(0f32, 1.0, (5, 96), &dev).unwrap();
-        let w = Tensor::randn(1f32, 0.1, 96, &dev).unwrap();
-        let (sum, normed) = add_rms_norm(&x, &y, &w, 1e-6).unwrap();
-        assert_eq!(values(&sum), values(&(&x + &y).unwrap()));
-        let want = rms_norm(&(&x + &y).unwrap(), &w, 1e-6).unwrap();
-        assert_eq!(values(&normed), values(&want));
         // A weight that does not fit the rows is an error, not a silent misread.
         let bad = Tensor::ones(95, candle_core::DType::F32, &dev).unwrap();
         assert!(add_rms_norm(&x, &y, &bad, 1e-6).is_err());
@@ -289,17 +363,25 @@ mod tests {
     /// slot past the cache is refused.
     #[test]
     fn write_rows_fills_exactly_the_given_slots() {
+        // 3 rows: one thread; 70 distinct: ranges on the kernel pool; 70 with a repeat:
+        // one thread again (the later row wins, as in a serial loop).
+        write_rows_case(&[5u32, 0, 9], 10);
+        let many: Vec<u32> = (0..70u32).map(|i| (7 * i) % 101).collect();
+        write_rows_case(&many, 101);
+        let mut repeated = many.clone();
+        repeated[50] = repeated[3];
+        write_rows_case(&repeated, 101);
+    }
+
+    fn write_rows_case(slots: &[u32], cap: usize) {
         let dev = Device::Cpu;
-        let rows = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
-        let slots = [5u32, 0, 9];
+        let rows = Tensor::randn(0f32, 1.0, (slots.len(), 8), &dev).unwrap();
         for dt in [candle_core::DType::F32, candle_core::DType::F16] {
-            let cache = Tensor::full(7f32, (10, 8), &dev)
+            let cache = Tensor::full(7f32, (cap, 8), &dev)
                 .unwrap()
                 .to_dtype(dt)
                 .unwrap();
-            cache
-                .inplace_op2(&rows, &WriteRows { slots: &slots })
-                .unwrap();
+            cache.inplace_op2(&rows, &WriteRows { slots }).unwrap();
             let got = cache
                 .to_dtype(candle_core::DType::F32)
                 .unwrap()
@@ -312,13 +394,15 @@ mod tests {
                 .unwrap();
             let want = want.to_vec2::<f32>().unwrap();
             for (slot, row) in got.iter().enumerate() {
-                match slots.iter().position(|&s| s as usize == slot) {
+                match slots.iter().rposition(|&s| s as usize == slot) {
                     Some(i) => assert_eq!(row, &want[i], "{dt:?} slot {slot}"),
                     None => assert!(row.iter().all(|&v| v == 7.0), "{dt:?} slot {slot}"),
                 }
             }
-            let err = cache.inplace_op2(&rows, &WriteRows { slots: &[1, 10, 2] });
-            assert!(err.is_err(), "{dt:?}: slot 10 of 10 accepted");
+            let mut bad = slots.to_vec();
+            bad[1] = cap as u32;
+            let err = cache.inplace_op2(&rows, &WriteRows { slots: &bad });
+            assert!(err.is_err(), "{dt:?}: slot {cap} of {cap} accepted");
         }
     }
 }
