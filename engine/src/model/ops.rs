@@ -236,34 +236,32 @@ impl candle_core::InplaceOp2 for WriteRows<'_> {
             s.windows(2).all(|w| w[0] != w[1])
         };
         let min = if distinct { par } else { usize::MAX / 2 };
+        // Row r of `src` into slot `slots[r]`, by row ranges on the kernel pool.
+        fn put<T>(
+            d: &mut [T],
+            at: usize,
+            (w, width): (&WriteRows, usize),
+            src: &[f32],
+            min: usize,
+            f: impl Fn(&mut [T], &[f32]) + Sync,
+        ) {
+            let d = crate::kernels::pool::SharedMut::new(d);
+            crate::kernels::pool::for_rows(w.slots.len(), min, 1, &|r0, r1| {
+                let rows = src[r0 * width..r1 * width].chunks_exact(width);
+                for (&s, r) in w.slots[r0..r1].iter().zip(rows) {
+                    // SAFETY: slots are distinct (or one range writes all) and inside the
+                    // cache (checked above).
+                    f(unsafe { d.slice(at + s as usize * width, width) }, r);
+                }
+            });
+        }
         match dst {
-            CpuStorage::F32(d) => {
-                let d = crate::kernels::pool::SharedMut::new(d);
-                crate::kernels::pool::for_rows(n, min, 1, &|r0, r1| {
-                    for (&s, r) in self.slots[r0..r1]
-                        .iter()
-                        .zip(src[r0 * width..].chunks_exact(width))
-                    {
-                        let at = d0 + s as usize * width;
-                        // SAFETY: slots are distinct (or one range writes all) and inside
-                        // the cache (checked above).
-                        unsafe { d.slice(at, width) }.copy_from_slice(r);
-                    }
-                });
-            }
+            CpuStorage::F32(d) => put(d, d0, (self, width), src, min, |d, r| d.copy_from_slice(r)),
             CpuStorage::F16(d) => {
                 use half::slice::HalfFloatSliceExt;
-                let d = crate::kernels::pool::SharedMut::new(d);
-                crate::kernels::pool::for_rows(n, min, 1, &|r0, r1| {
-                    for (&s, r) in self.slots[r0..r1]
-                        .iter()
-                        .zip(src[r0 * width..].chunks_exact(width))
-                    {
-                        let at = d0 + s as usize * width;
-                        // SAFETY: as above.
-                        unsafe { d.slice(at, width) }.convert_from_f32_slice(r);
-                    }
-                });
+                put(d, d0, (self, width), src, min, |d, r| {
+                    d.convert_from_f32_slice(r)
+                })
             }
             _ => candle_core::bail!("write-rows: the cache must be f32 or f16"),
         }
