@@ -344,6 +344,8 @@ pub fn measure_draft(
         for l in 1..=max_len {
             let mut times = Vec::new();
             for rep in 0..=opts.reps.max(1) {
+                // Every rep drafts the same tokens: priced as unseen ones.
+                d.model.forget_memos();
                 let t0 = Instant::now();
                 let feeds: Vec<ContextFeed> = tables
                     .iter()

@@ -205,6 +205,13 @@ impl DSparkDrafter {
         self.calls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Forgets what the sequential head remembers between calls (the Markov bias rows), so
+    /// the next call costs what a call on unseen tokens costs: `profile` prices drafting
+    /// that way (an upper bound; serving repeats frequent tokens and is cheaper).
+    pub fn forget_memos(&self) {
+        self.seq_head.forget_memos();
+    }
+
     fn count_call(&self) {
         self.calls
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
