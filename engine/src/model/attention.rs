@@ -614,13 +614,13 @@ enum CacheRows<'a> {
 }
 
 impl CacheRows<'_> {
-    /// The `hd` values at each of `offs` as f32 and their offsets: the cache itself for
+    /// The `width` values at each of `offs` as f32 and their offsets: the cache itself for
     /// f32; for f16 a copy widened once into `buf` (rows back to back; `local` holds the
     /// offsets), so the cache is read at half the bytes and the kernels stay f32.
     fn rows<'b>(
         &'b self,
         offs: &'b [usize],
-        hd: usize,
+        width: usize,
         buf: &'b mut Vec<f32>,
         local: &'b mut Vec<usize>,
     ) -> (&'b [f32], &'b [usize]) {
@@ -628,11 +628,11 @@ impl CacheRows<'_> {
         match *self {
             CacheRows::F32(c) => (c, offs),
             CacheRows::F16(c) => {
-                buf.resize(offs.len() * hd, 0.0);
-                for (dst, &off) in buf.chunks_exact_mut(hd).zip(offs) {
-                    c[off..off + hd].convert_to_f32_slice(dst);
+                buf.resize(offs.len() * width, 0.0);
+                for (dst, &off) in buf.chunks_exact_mut(width).zip(offs) {
+                    c[off..off + width].convert_to_f32_slice(dst);
                 }
-                *local = (0..offs.len()).map(|i| i * hd).collect();
+                *local = (0..offs.len()).map(|i| i * width).collect();
                 (buf, local)
             }
         }

@@ -240,15 +240,16 @@ impl candle_core::InplaceOp2 for WriteRows<'_> {
         fn put<T>(
             d: &mut [T],
             at: usize,
-            (w, width): (&WriteRows, usize),
+            slots: &[u32],
+            width: usize,
             src: &[f32],
             min: usize,
             f: impl Fn(&mut [T], &[f32]) + Sync,
         ) {
             let d = crate::kernels::pool::SharedMut::new(d);
-            crate::kernels::pool::for_rows(w.slots.len(), min, 1, &|r0, r1| {
+            crate::kernels::pool::for_rows(slots.len(), min, 1, &|r0, r1| {
                 let rows = src[r0 * width..r1 * width].chunks_exact(width);
-                for (&s, r) in w.slots[r0..r1].iter().zip(rows) {
+                for (&s, r) in slots[r0..r1].iter().zip(rows) {
                     // SAFETY: slots are distinct (or one range writes all) and inside the
                     // cache (checked above).
                     f(unsafe { d.slice(at + s as usize * width, width) }, r);
@@ -256,10 +257,12 @@ impl candle_core::InplaceOp2 for WriteRows<'_> {
             });
         }
         match dst {
-            CpuStorage::F32(d) => put(d, d0, (self, width), src, min, |d, r| d.copy_from_slice(r)),
+            CpuStorage::F32(d) => put(d, d0, self.slots, width, src, min, |d, r| {
+                d.copy_from_slice(r)
+            }),
             CpuStorage::F16(d) => {
                 use half::slice::HalfFloatSliceExt;
-                put(d, d0, (self, width), src, min, |d, r| {
+                put(d, d0, self.slots, width, src, min, |d, r| {
                     d.convert_from_f32_slice(r)
                 })
             }
