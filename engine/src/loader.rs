@@ -168,7 +168,9 @@ pub fn drafter_kind(path: &Path) -> Result<crate::speculative::Speculation> {
     })
 }
 
-/// Builds the model drafter that `speculation` needs, if any.
+/// Builds the model drafter that `speculation` needs, if any: its matrices on the CPU
+/// kernels in the format of `DSPARK_DRAFTER_WEIGHTS` (default Q4_0), its context cache of
+/// `kv_dtype` (the target cache's).
 pub fn build_drafter(
     speculation: crate::speculative::Speculation,
     path: Option<&Path>,
@@ -176,6 +178,7 @@ pub fn build_drafter(
     model: &Model,
     target_kv_tokens: usize,
     block_size: usize,
+    kv_dtype: candle_core::DType,
 ) -> Result<Option<crate::speculative::speculator::Drafter>> {
     use crate::speculative::dspark::{DSparkDrafter, HeadKind};
     use crate::speculative::Speculation;
@@ -229,16 +232,18 @@ pub fn build_drafter(
         }
     };
     let mut drafter = drafter;
-    drafter.use_cpu_kernels()?;
+    drafter.use_cpu_kernels(crate::speculative::dspark::DrafterWeights::from_env()?)?;
     let c = drafter.config();
-    let per_token = crate::kv::KvCache::bytes_per_token(
+    let per_token = crate::kv::KvCache::bytes_per_token_as(
         c.num_hidden_layers,
         c.num_key_value_heads * c.head_dim,
+        kv_dtype,
     );
-    let kv = drafter.new_cache(
+    let kv = drafter.new_cache_as(
         per_token * (target_kv_tokens + 64 * block_size),
         block_size,
         &model.device,
+        kv_dtype,
     )?;
     Ok(Some(crate::speculative::speculator::Drafter {
         model: drafter,

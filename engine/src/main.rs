@@ -639,6 +639,7 @@ fn profile(a: ProfileArgs) -> Result<()> {
             &model,
             max_n as usize * (a.context + 32),
             16,
+            dtype,
         )?
         .with_context(|| {
             format!(

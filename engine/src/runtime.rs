@@ -165,6 +165,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         &model,
         kv.capacity_tokens(),
         opts.kv_block_size,
+        kv.dtype(),
     )?;
     if let (None, Some(auto)) = (&drafter, &opts.shipped_drafter) {
         let names = [model.id.as_str(), model_id.as_str()];
@@ -182,6 +183,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
                 &model,
                 kv.capacity_tokens(),
                 opts.kv_block_size,
+                kv.dtype(),
             ) {
                 Ok(d) => {
                     tracing::info!(

@@ -429,7 +429,7 @@ pub fn run_eval(a: EvalArgs) -> Result<()> {
     for d in &a.drafters {
         let (name, path) = split_kv(d)?;
         let mut dr = DSparkDrafter::load(&path, &model)?;
-        dr.use_cpu_kernels()?;
+        dr.use_cpu_kernels(dspark_engine::speculative::dspark::DrafterWeights::from_env()?)?;
         drafters.push((name, EvalDrafter::Model(Box::new(dr))));
     }
     if drafters.is_empty() {

@@ -18,19 +18,32 @@ impl DSparkDrafter {
         self.cfg.num_key_value_heads * self.cfg.head_dim
     }
 
-    /// The drafter's own context KV cache (one layer per drafter layer).
+    /// The drafter's own context KV cache (one layer per drafter layer), f32.
     pub fn new_cache(
         &self,
         budget_bytes: usize,
         block_size: usize,
         device: &Device,
     ) -> Result<KvCache> {
-        KvCache::new(
+        self.new_cache_as(budget_bytes, block_size, device, DType::F32)
+    }
+
+    /// [`Self::new_cache`] of `dtype` (f32 or f16): serving keeps the drafter's keys and
+    /// values in the target cache's type (f16 halves what a draft reads of them).
+    pub fn new_cache_as(
+        &self,
+        budget_bytes: usize,
+        block_size: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<KvCache> {
+        KvCache::new_as(
             self.layers.len(),
             self.kv_dim(),
             budget_bytes,
             block_size,
             device,
+            dtype,
         )
     }
 
@@ -60,7 +73,8 @@ impl DSparkDrafter {
         ))
     }
 
-    /// Keys (k_norm, RoPE) and values of `x` `[T, hidden]` for layer `l`, each `[T, kv_dim]`.
+    /// Keys (k_norm, RoPE) and values of `x` `[T, hidden]` for layer `l`, each `[T, kv_dim]`
+    /// (one parallel region for both projections on the CPU kernels).
     pub(super) fn key_values(
         &self,
         l: &Layer,
@@ -68,11 +82,18 @@ impl DSparkDrafter {
         cos: &Tensor,
         sin: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let t = x.dim(0)?;
+        let [k, v]: [Tensor; 2] = crate::model::linear::forward_many(&[&l.k, &l.v], x)?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("two projections give two outputs"))?;
+        Ok((self.rotated_keys(l, &k, cos, sin)?, v.contiguous()?))
+    }
+
+    /// Projected keys `k` `[T, kv_dim]` of layer `l` normed (k_norm) and rotated (RoPE).
+    fn rotated_keys(&self, l: &Layer, k: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let t = k.dim(0)?;
         let (nkv, hd) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let k = rms_norm(&l.k.forward(x)?.reshape((t, nkv, hd))?, &l.k_norm, self.eps)?;
-        let k = rope(&k, cos, sin)?.reshape((t, nkv * hd))?;
-        Ok((k, l.v.forward(x)?.contiguous()?))
+        let k = rms_norm(&k.reshape((t, nkv, hd))?, &l.k_norm, self.eps)?;
+        Ok(rope(&k, cos, sin)?.reshape((t, nkv * hd))?)
     }
 
     /// Context features of committed tokens at positions `[start, start + n)`: `hidden[i]` is
@@ -259,9 +280,14 @@ impl DSparkDrafter {
         };
         for (li, l) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &l.input_norm, self.eps)?;
-            let (k, v) = self.key_values(l, &h, &cos, &sin)?;
-            kv.write(li, &idx, &k, &v)?;
-            let q = rms_norm(&l.q.forward(&h)?.reshape((t, nh, hd))?, &l.q_norm, self.eps)?;
+            // q, k and v in one parallel region (the input quantised once).
+            let [q, k, v]: [Tensor; 3] =
+                crate::model::linear::forward_many(&[&l.q, &l.k, &l.v], &h)?
+                    .try_into()
+                    .map_err(|_| anyhow::anyhow!("three projections give three outputs"))?;
+            let k = self.rotated_keys(l, &k, &cos, &sin)?;
+            kv.write(li, &idx, &k, &v.contiguous()?)?;
+            let q = rms_norm(&q.reshape((t, nh, hd))?, &l.q_norm, self.eps)?;
             let a = attn.forward(&rope(&q, &cos, &sin)?, &kv.k[li], &kv.v[li])?;
             x = (x + l.o.forward(&a)?)?;
             let h = rms_norm(&x, &l.post_norm, self.eps)?;

@@ -70,11 +70,15 @@ impl SeqHead {
     }
 
     /// `W2` on the CPU kernels (see `DSparkDrafter::use_cpu_kernels`).
-    pub fn use_cpu_kernels(&mut self, params: &BTreeMap<String, Tensor>) -> Result<()> {
+    pub fn use_cpu_kernels(
+        &mut self,
+        params: &BTreeMap<String, Tensor>,
+        format: super::DrafterWeights,
+    ) -> Result<()> {
         match self {
             SeqHead::Parallel => {}
             SeqHead::Markov { w2, .. } | SeqHead::Gated { w2, .. } | SeqHead::Rnn { w2, .. } => {
-                *w2 = super::q8_linear(&params[W2])?;
+                *w2 = super::kernel_linear(&params[W2], format)?;
             }
         }
         if let SeqHead::Markov { w2, memo, .. } = self {

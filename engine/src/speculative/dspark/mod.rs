@@ -86,8 +86,8 @@ pub use params::param_shapes;
 use params::{param_specs, Init};
 pub use propose::{BlockTrace, DraftRequest, ProposeOptions};
 
-/// One Qwen3-style drafter layer (q/k norms, SiLU MLP): dense f32, or Q8_0 on the CPU
-/// kernels after [`DSparkDrafter::use_cpu_kernels`].
+/// One Qwen3-style drafter layer (q/k norms, SiLU MLP): dense f32, or quantised
+/// ([`DrafterWeights`]) on the CPU kernels after [`DSparkDrafter::use_cpu_kernels`].
 struct Layer {
     input_norm: Tensor,
     post_norm: Tensor,
@@ -177,17 +177,59 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Ok(crate::model::ops::rope_thd(x, cos, sin)?)
 }
 
-/// `w` `[n, k]` re-quantised to Q8_0 for the CPU kernels (dense when `k` is not a whole
+/// The weight format of a drafter's matrices on the CPU kernels
+/// ([`DSparkDrafter::use_cpu_kernels`]): the backbone (`fc` and every layer), the sequential
+/// head's `W2` and a checkpoint's own LM head. The draft-vocabulary rows of the target's LM
+/// head keep the target's own format.
+///
+/// Q4_0 is the default: a draft call streams its weights from memory after every target
+/// forward has streamed the target's, so halving the bytes is what makes it cheaper (the
+/// 1-layer backbone is ~4.6 M weights: 2.6 MB in Q4_0, 4.9 MB in Q8_0). Drafts change by
+/// the rounding only; verification keeps the output exact either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DrafterWeights {
+    #[default]
+    Q4_0,
+    Q8_0,
+}
+
+impl DrafterWeights {
+    /// The environment variable that overrides the default (an A/B switch for benchmarks).
+    pub const ENV: &'static str = "DSPARK_DRAFTER_WEIGHTS";
+
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "q4_0" => Ok(Self::Q4_0),
+            "q8_0" => Ok(Self::Q8_0),
+            other => bail!("unknown drafter weight format '{other}'; use q4_0 or q8_0"),
+        }
+    }
+
+    /// [`Self::ENV`] when set (an unknown value is an error, not a silent default), else Q4_0.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(Self::ENV) {
+            Ok(v) => Self::parse(&v).with_context(|| format!("{}={v}", Self::ENV)),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(e) => bail!("{}: {e}", Self::ENV),
+        }
+    }
+
+    fn ggml(self) -> candle_core::quantized::GgmlDType {
+        match self {
+            Self::Q4_0 => candle_core::quantized::GgmlDType::Q4_0,
+            Self::Q8_0 => candle_core::quantized::GgmlDType::Q8_0,
+        }
+    }
+}
+
+/// `w` `[n, k]` quantised to `format` for the CPU kernels (dense when `k` is not a whole
 /// number of 32-blocks).
-fn q8_linear(w: &Tensor) -> Result<Linear> {
+fn kernel_linear(w: &Tensor, format: DrafterWeights) -> Result<Linear> {
     let (_, k) = w.dims2()?;
     if !k.is_multiple_of(32) {
         return Ok(Linear::dense(w.clone()));
     }
-    Ok(Linear::from_qtensor(QTensor::quantize(
-        w,
-        candle_core::quantized::GgmlDType::Q8_0,
-    )?)?)
+    Ok(Linear::from_qtensor(QTensor::quantize(w, format.ggml())?)?)
 }
 
 fn sigmoid(z: f32) -> f32 {

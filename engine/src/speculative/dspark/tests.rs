@@ -861,3 +861,66 @@ fn propose_timing_smollm2() {
         }
     }
 }
+
+/// The backbone on the CPU kernels tracks the dense one in either weight format: Q8_0
+/// closely, Q4_0 within its coarser rounding, which is measurably further off (the format
+/// is really applied); an f16 context cache adds next to nothing.
+#[test]
+fn kernel_weight_formats_track_the_dense_backbone() {
+    let target = tiny_target();
+    let run = |format: Option<DrafterWeights>, kv_dtype: DType| -> Tensor {
+        let mut d = drafter(&target, HeadKind::Markov, |c| c.context_input = true);
+        if let Some(f) = format {
+            d.use_cpu_kernels(f).unwrap();
+            assert!(d.layers[0].q.uses_kernel() && d.fc.uses_kernel());
+        }
+        let mut kv = d.new_cache_as(1 << 20, 4, &Device::Cpu, kv_dtype).unwrap();
+        assert_eq!(kv.dtype(), kv_dtype);
+        let s = prime(&target, &d, &mut kv, 1, 9, GAMMA, 64);
+        let params = sampled();
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let reqs = [DraftRequest {
+            anchor: s.anchor,
+            anchor_pos: s.anchor_pos,
+            block_table: &s.table,
+            gamma: s.gamma,
+            params: &params,
+            history: None,
+            rng: &mut rng,
+            last_context: s.last_ctx.as_ref(),
+        }];
+        d.backbone(&mut kv, &target, &reqs).unwrap().0
+    };
+    let dense = run(None, DType::F32);
+    let scale = dense
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let err = |t: &Tensor| crate::testutil::max_abs_diff(t, &dense) / scale;
+    let q8 = err(&run(Some(DrafterWeights::Q8_0), DType::F32));
+    let q4_f32 = run(Some(DrafterWeights::Q4_0), DType::F32);
+    let q4_f16 = run(Some(DrafterWeights::Q4_0), DType::F16);
+    let f16_only = crate::testutil::max_abs_diff(&q4_f16, &q4_f32) / scale;
+    let (q4, q4_f16) = (err(&q4_f32), err(&q4_f16));
+    eprintln!("relative max error: q8_0 {q8}, q4_0 {q4}, q4_0 + f16 cache {q4_f16} ({f16_only} from the cache)");
+    assert!(q8 < 0.02, "Q8_0 backbone off by {q8}");
+    assert!(q4 < 0.25, "Q4_0 backbone off by {q4}");
+    assert!(q4 > 2.0 * q8, "Q4_0 ({q4}) is not coarser than Q8_0 ({q8})");
+    assert!(
+        f16_only > 0.0 && f16_only < 0.01,
+        "an f16 cache moved the backbone by {f16_only}"
+    );
+    assert!(q4_f16 < 0.25, "Q4_0 with an f16 cache off by {q4_f16}");
+}
+
+#[test]
+fn drafter_weight_formats_parse_and_unknown_ones_are_errors() {
+    assert_eq!(DrafterWeights::parse("q4_0").unwrap(), DrafterWeights::Q4_0);
+    assert_eq!(DrafterWeights::parse("Q8_0").unwrap(), DrafterWeights::Q8_0);
+    assert_eq!(DrafterWeights::default(), DrafterWeights::Q4_0);
+    let e = DrafterWeights::parse("q5_k").unwrap_err().to_string();
+    assert!(e.contains("q5_k") && e.contains("q4_0 or q8_0"), "{e}");
+}

@@ -318,31 +318,32 @@ impl DSparkDrafter {
         })
     }
 
-    /// Serving speed on CPU: re-quantises the backbone's matrices (fc and every layer) to
-    /// Q8_0 for the engine's matmul kernels. candle's f32 matmul repacks the whole weight on
-    /// every call, which made a 1-layer draft cost ~75 % of a target decode step. Drafts may
-    /// change by the rounding (verification keeps the output exact); `save` still writes
-    /// the original weights. No-op on other devices.
-    pub fn use_cpu_kernels(&mut self) -> Result<()> {
+    /// Serving speed on CPU: re-quantises the backbone's matrices (fc and every layer), the
+    /// sequential head's `W2` and an own LM head to `format` for the engine's matmul kernels.
+    /// candle's f32 matmul repacks the whole weight on every call, which made a 1-layer draft
+    /// cost ~75 % of a target decode step. Drafts may change by the rounding (verification
+    /// keeps the output exact); `save` still writes the original weights. No-op on other
+    /// devices.
+    pub fn use_cpu_kernels(&mut self, format: DrafterWeights) -> Result<()> {
         if !self.device.is_cpu() {
             return Ok(());
         }
-        let q8 = |name: &str| q8_linear(&self.params[name]);
-        self.fc = q8("fc.weight")?;
+        let q = |name: &str| kernel_linear(&self.params[name], format);
+        self.fc = q("fc.weight")?;
         for (i, l) in self.layers.iter_mut().enumerate() {
             let n = |s: &str| format!("layers.{i}.{s}.weight");
-            l.q = q8(&n("self_attn.q_proj"))?;
-            l.k = q8(&n("self_attn.k_proj"))?;
-            l.v = q8(&n("self_attn.v_proj"))?;
-            l.o = q8(&n("self_attn.o_proj"))?;
-            l.gate = q8(&n("mlp.gate_proj"))?;
-            l.up = q8(&n("mlp.up_proj"))?;
-            l.down = q8(&n("mlp.down_proj"))?;
+            l.q = q(&n("self_attn.q_proj"))?;
+            l.k = q(&n("self_attn.k_proj"))?;
+            l.v = q(&n("self_attn.v_proj"))?;
+            l.o = q(&n("self_attn.o_proj"))?;
+            l.gate = q(&n("mlp.gate_proj"))?;
+            l.up = q(&n("mlp.up_proj"))?;
+            l.down = q(&n("mlp.down_proj"))?;
         }
         if self.own_lm_head.is_some() {
-            self.own_lm_head = Some(q8(LM_HEAD)?);
+            self.own_lm_head = Some(q(LM_HEAD)?);
         }
-        self.seq_head.use_cpu_kernels(&self.params)?;
+        self.seq_head.use_cpu_kernels(&self.params, format)?;
         Ok(())
     }
 
