@@ -290,4 +290,29 @@ mod tests {
             vec![PathBuf::from(SHIPPED_DRAFTERS)]
         );
     }
+
+    /// The serving drafter's context cache takes the element type it is given (the target
+    /// cache's), in either type.
+    #[test]
+    fn drafter_cache_takes_the_target_cache_type() {
+        let target = crate::testutil::tiny_target();
+        for dtype in [candle_core::DType::F16, candle_core::DType::F32] {
+            let d = build_drafter(Speculation::DSparkMarkov, None, 4, &target, 64, 16, dtype)
+                .unwrap()
+                .expect("a model drafter");
+            assert_eq!(d.kv.dtype(), dtype);
+            assert!(d.kv.capacity_tokens() >= 64);
+        }
+        assert!(build_drafter(
+            Speculation::None,
+            None,
+            4,
+            &target,
+            64,
+            16,
+            candle_core::DType::F16
+        )
+        .unwrap()
+        .is_none());
+    }
 }

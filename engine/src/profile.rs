@@ -294,6 +294,10 @@ const DRAFT_FEED_ROWS: usize = 2;
 /// Seconds of one drafter call (the context feed of [`DRAFT_FEED_ROWS`] committed rows per
 /// sequence, then one batched greedy draft) for every `(sequences, length)` of the grid, as
 /// serving runs it: `[(n, l, seconds)]` sorted, for [`CostTable::draft_points`].
+///
+/// Each timed call follows a one-token target forward, as every draft in serving does: that
+/// forward streams the target's weights through the caches, so the drafter reads its own
+/// from memory again (back-to-back calls found them cached and cost about half).
 pub fn measure_draft(
     target: &Model,
     d: &mut Drafter,
@@ -315,6 +319,33 @@ pub fn measure_draft(
     };
     let ctx_hidden = randn(opts.context.max(1))?;
     let step_hidden = randn(DRAFT_FEED_ROWS)?;
+    // The target forward before each timed call: one token at position 0 of a one-block
+    // cache of its own.
+    let block = 16;
+    let mut target_kv = KvCache::new_as(
+        target.cfg.num_layers,
+        target.cfg.kv_dim(),
+        block
+            * KvCache::bytes_per_token_as(
+                target.cfg.num_layers,
+                target.cfg.kv_dim(),
+                candle_core::DType::F16,
+            ),
+        block,
+        &dev,
+        candle_core::DType::F16,
+    )?;
+    let mut target_table = Vec::new();
+    anyhow::ensure!(
+        target_kv.ensure(&mut target_table, 1),
+        "no block for the target forward"
+    );
+    let target_step = SeqBatch {
+        tokens: vec![1],
+        start_pos: 0,
+        block_table: target_table,
+        num_logits: 1,
+    };
     let mut out = Vec::new();
     for &n in &opts.seqs {
         let n = n.max(1) as usize;
@@ -346,6 +377,7 @@ pub fn measure_draft(
             for rep in 0..=opts.reps.max(1) {
                 // Every rep drafts the same tokens: priced as unseen ones.
                 d.model.forget_memos();
+                target.forward(std::slice::from_ref(&target_step), &mut target_kv, &[])?;
                 let t0 = Instant::now();
                 let feeds: Vec<ContextFeed> = tables
                     .iter()
