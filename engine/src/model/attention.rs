@@ -756,10 +756,13 @@ mod simd {
                 let mut i = 0;
                 while i < len {
                     let n = (len - i).min(8);
-                    prefetch_rows(kc, offs.iter().skip(i + 8).take(8), width);
                     let rows: [*const E; 8] =
                         std::array::from_fn(|j| kp.add(offs[i + j.min(n - 1)]));
+                    let ng = q.len();
                     for (g, qg) in q.iter().enumerate() {
+                        // The next 8 positions' key rows, a share before each query vector.
+                        let (a, b) = (g * 8 / ng, (g + 1) * 8 / ng);
+                        prefetch_rows(kc, offs.iter().skip(i + 8 + a).take(b - a), width);
                         let rows = rows.map(|r| r.add(hoff[g]));
                         let mut acc = [_mm256_setzero_ps(); 8];
                         for c in (0..qg.len()).step_by(8) {
@@ -821,8 +824,12 @@ mod simd {
                 let len = offs.len();
                 for p in (0..len).step_by(PASS) {
                     let e = (p + PASS).min(len);
-                    prefetch_rows(vc, offs.iter().skip(p + PASS).take(PASS), width);
+                    let nj = o.len();
                     for (j, oj) in o.iter_mut().enumerate() {
+                        // The next pass's value rows, a share before each output vector
+                        // (all at once stalls on the fill buffers, with nothing to overlap).
+                        let (a, b) = (j * PASS / nj, (j + 1) * PASS / nj);
+                        prefetch_rows(vc, offs.iter().skip(p + PASS + a).take(b - a), width);
                         let wj = &w[j * len + p..j * len + e];
                         let v = &vc[hoff[j]..];
                         let hd = oj.len();
