@@ -27,6 +27,26 @@ struct Seq {
     last_ctx: Option<Tensor>,
 }
 
+impl Seq {
+    /// Its draft request (no penalties history).
+    fn request<'a>(
+        &'a self,
+        params: &'a SamplingParams,
+        rng: &'a mut ChaCha8Rng,
+    ) -> DraftRequest<'a> {
+        DraftRequest {
+            anchor: self.anchor,
+            anchor_pos: self.anchor_pos,
+            block_table: &self.table,
+            gamma: self.gamma,
+            params,
+            history: None,
+            rng,
+            last_context: self.last_ctx.as_ref(),
+        }
+    }
+}
+
 fn prompt(id: u64, len: usize) -> Vec<u32> {
     let mut rng = ChaCha8Rng::seed_from_u64(100 + id);
     (0..len)
@@ -103,16 +123,7 @@ fn draft(
     let mut reqs: Vec<DraftRequest> = rngs
         .iter_mut()
         .zip(seqs)
-        .map(|(rng, s)| DraftRequest {
-            anchor: s.anchor,
-            anchor_pos: s.anchor_pos,
-            block_table: &s.table,
-            gamma: s.gamma,
-            params,
-            history: None,
-            rng,
-            last_context: s.last_ctx.as_ref(),
-        })
+        .map(|(rng, s)| s.request(params, rng))
         .collect();
     let blocks = d.propose(dkv, target, &mut reqs).unwrap();
     for (b, s) in blocks.iter().zip(seqs) {
@@ -367,16 +378,7 @@ fn backbone_matches_dense(context_input: bool) {
     let reqs: Vec<DraftRequest> = rngs
         .iter_mut()
         .zip(&seqs)
-        .map(|(rng, s)| DraftRequest {
-            anchor: s.anchor,
-            anchor_pos: s.anchor_pos,
-            block_table: &s.table,
-            gamma: s.gamma,
-            params: &params,
-            history: None,
-            rng,
-            last_context: s.last_ctx.as_ref(),
-        })
+        .map(|(rng, s)| s.request(&params, rng))
         .collect();
     let (h, _) = d.backbone(&mut kv, &target, &reqs).unwrap();
     let want = Tensor::cat(
@@ -879,16 +881,7 @@ fn kernel_weight_formats_track_the_dense_backbone() {
         let s = prime(&target, &d, &mut kv, 1, 9, GAMMA, 64);
         let params = sampled();
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let reqs = [DraftRequest {
-            anchor: s.anchor,
-            anchor_pos: s.anchor_pos,
-            block_table: &s.table,
-            gamma: s.gamma,
-            params: &params,
-            history: None,
-            rng: &mut rng,
-            last_context: s.last_ctx.as_ref(),
-        }];
+        let reqs = [s.request(&params, &mut rng)];
         d.backbone(&mut kv, &target, &reqs).unwrap().0
     };
     let dense = run(None, DType::F32);
