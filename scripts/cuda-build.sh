@@ -4,14 +4,19 @@
 # (images/engine-cuda/requirements-cuda.txt), so this only proves it compiles and links; the
 # binary needs a real driver (libcuda.so.1) at run time.
 #
-#   scripts/cuda-build.sh          toolkit (cached) + cargo build --release -p dspark-engine --features cuda
+#   scripts/cuda-build.sh          toolkit (cached) + the engine's binary with --features cuda
 #   scripts/cuda-build.sh env      print the exports (CUDA_ROOT, PATH, ...) for a shell
-#   scripts/cuda-build.sh target   print the target dir (the binary is <dir>/release/dspark-engine)
+#   scripts/cuda-build.sh target   print the output dir (the binary is <dir>/release/dspark-engine)
 #
-# Caches: toolkit in $DSPARK_CACHE/cuda/<key> (key: requirements + recipe), the build in
-# $DSPARK_CACHE/cargo-target-cuda/<key> (key: rustc -vV, toolkit key, CUDA_COMPUTE_CAP; cargo's
-# own fingerprints handle Cargo.lock and source changes inside it). CUDA_COMPUTE_CAP (default
-# 80) picks the kernels' architecture: there is no GPU to ask.
+# Caches: toolkit in $DSPARK_CACHE/cuda/<key> (key: requirements + recipe). The build runs in
+# the CPU build's target dir ($CARGO_TARGET_DIR, default $DSPARK_CACHE/cargo-target) with the
+# workspace's feature resolution (`--workspace --features dspark-engine/cuda --bin
+# dspark-engine`), so the ~270 dependencies the two builds share are compiled once and only the
+# CUDA-specific crates (cudarc, candle-kernels, candle-core/-nn, the engine) build again; cargo
+# keeps both variants side by side (features are part of each artifact's hash). The CUDA binary
+# is copied to $DSPARK_CACHE/cargo-target-cuda/<key>/release/dspark-engine (key: rustc -vV,
+# toolkit key, CUDA_COMPUTE_CAP) and the CPU binary is put back under its name.
+# CUDA_COMPUTE_CAP (default 80) picks the kernels' architecture: there is no GPU to ask.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
@@ -26,6 +31,7 @@ TK="$CACHE/cuda/$TK_KEY"
 ROOT="$TK/py/nvidia/cu13"
 TGT_KEY="$({ rustc -vV; echo "$TK_KEY cap=$CUDA_COMPUTE_CAP"; } | sha256sum | cut -c1-16)"
 TARGET="${DSPARK_CUDA_TARGET_DIR:-$CACHE/cargo-target-cuda/$TGT_KEY}"
+BUILD_DIR="${CARGO_TARGET_DIR:-$CACHE/cargo-target}"
 
 toolkit() {
   [ -f "$TK/.done" ] && return 0
@@ -69,12 +75,24 @@ case "${1:-build}" in
   target) echo "$TARGET" ;;
   build)
     toolkit
-    eval "$(exports)"
-    export CARGO_TARGET_DIR="$TARGET"
     t0=$SECONDS
-    log "cargo build --release -p dspark-engine --features cuda (target $TARGET, sm_$CUDA_COMPUTE_CAP)"
-    nice -n 10 "${CARGO:-cargo}" build --release --locked -p dspark-engine --features cuda
+    export CARGO_TARGET_DIR="$BUILD_DIR"
+    # Whatever happens, the CPU binary goes back to its name in the shared target dir (cargo
+    # re-links it from its own, untouched artifact: a no-op when the CPU build is current).
+    trap 'nice -n 10 "${CARGO:-cargo}" build --release --locked --workspace --bin dspark-engine -q' EXIT
+    log "cargo build --release --workspace --features dspark-engine/cuda --bin dspark-engine (target $BUILD_DIR, sm_$CUDA_COMPUTE_CAP)"
+    (
+      eval "$(exports)"
+      nice -n 10 "${CARGO:-cargo}" build --release --locked --workspace --features dspark-engine/cuda \
+        --bin dspark-engine
+    )
+    # An output dir from before the shared build held a whole target tree: keep the binary only.
+    rm -rf "$TARGET/release/deps" "$TARGET/release/build" "$TARGET/release/.fingerprint" \
+      "$TARGET/release/incremental" "$TARGET/release/examples"
+    mkdir -p "$TARGET/release"
+    cp "$BUILD_DIR/release/dspark-engine" "$TARGET/release/dspark-engine.tmp"
+    mv -f "$TARGET/release/dspark-engine.tmp" "$TARGET/release/dspark-engine"
     log "built $TARGET/release/dspark-engine in $((SECONDS - t0))s"
     ;;
-  *) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -2,11 +2,15 @@
 # Build the llama.cpp peer (see docs in /work/shared/peers.md) from the PyPI package
 # llama-cpp-python, entirely into a cache OUTSIDE the repository:
 #
-#   (a) pip-installs llama-cpp-python (Python bindings, used by tests/peer/reference.py),
-#       built from source with -DGGML_NATIVE=ON (AMX off, see NOAMX below);
-#   (b) builds llama.cpp's llama-server, llama-bench and llama-batched-bench from the same
-#       version's sdist (vendor/llama.cpp) into $DSPARK_CACHE/llama.cpp/<version>/bin,
-#       with the same flags.
+#   (b) builds llama.cpp's llama-server, llama-bench and llama-batched-bench from the sdist's
+#       vendored llama.cpp (vendor/llama.cpp) into $DSPARK_CACHE/llama.cpp/<version>/bin,
+#       with -DGGML_NATIVE=ON (AMX off, see NOAMX below), as shared libraries (libllama,
+#       libggml*, libmtmd) next to the tools (RPATH $ORIGIN);
+#   (a) pip-installs llama-cpp-python (Python bindings, used by tests/peer/reference.py)
+#       WITHOUT its own build of llama.cpp (LLAMA_BUILD=OFF) and puts copies of (b)'s
+#       libraries into its package's lib/ directory, where the bindings load them from.
+#       One compile of llama.cpp instead of two (pip's own build took ~4 min on 2 cores);
+#       the same sources either way: the bindings and the tools are one sdist.
 #
 # Nothing from llama.cpp is ever written into the repository.
 #
@@ -56,7 +60,7 @@ NOAMX=""
 CMAKE_FLAGS=(-DGGML_NATIVE=ON)
 [[ -n "$NOAMX" ]] && CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=$NOAMX" "-DCMAKE_CXX_FLAGS=$NOAMX")
 # Stamps: what (a) and (b) were built with; a mismatch (or none) means rebuild.
-BUILD_ID="llama-cpp-python $V; ${CMAKE_FLAGS[*]}"
+BUILD_ID="llama-cpp-python $V; shared; ${CMAKE_FLAGS[*]}"
 PY_STAMP="$PEER/python.build"
 BIN_STAMP="$BIN/BUILD"
 
@@ -111,7 +115,7 @@ fetch_sdist() {
 }
 
 # ---------------------------------------------------------------------------------------
-# The background job: runs (a) then (b) sequentially (2 cores: never both at once).
+# The background job: (b) then (a), sequentially (2 cores: never both at once).
 # ---------------------------------------------------------------------------------------
 job() {
   exec 9>"$LOCK"
@@ -121,38 +125,20 @@ job() {
   local t0; t0=$(date +%s)
   fetch_sdist
 
-  if py_ok; then
-    log "(a) llama_cpp $V already importable; skipping pip install"
-  else
-    log "(a) llama_cpp $V missing, built with other flags, or failing its smoke eval"
-    log "(a) pip install llama-cpp-python==$V from source (${CMAKE_FLAGS[*]}, $JOBS jobs)"
-    local ta; ta=$(date +%s)
-    rm -f "$PY_STAMP"
-    # Drop a broken/stale install first; --no-cache-dir: pip would otherwise reinstall the
-    # wheel it cached from an earlier build of this sdist, whatever CMAKE_ARGS say now.
-    if "$PY" -m pip show -q llama-cpp-python >/dev/null 2>&1; then
-      "$PY" -m pip uninstall -y llama-cpp-python
-    fi
-    # CMAKE_ARGS is shell-split by scikit-build-core: quote the multi-word flag values.
-    CMAKE_ARGS="$(printf '%q ' "${CMAKE_FLAGS[@]}")" CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-      nice -n 10 "$PY" -m pip install -v --no-cache-dir --no-binary llama-cpp-python "$SDIST"
-    printf '%s\n' "$BUILD_ID" > "$PY_STAMP"
-    py_ok || { rm -f "$PY_STAMP"; log "(a) FAILED: llama_cpp $V not importable or smoke eval failed after install"; exit 1; }
-    log "(a) done in $(( $(date +%s) - ta ))s"
-  fi
-
   if bins_ok; then
     log "(b) ${TOOLS[*]} already in $BIN; skipping"
   else
     log "(b) ${TOOLS[*]} missing, built with other flags, or failing their smoke run"
     local tb; tb=$(date +%s)
+    # The bindings carry copies of this build's libraries: they are stale from here on.
+    rm -f "$PY_STAMP"
     if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
       log "(b) extracting $SDIST -> $SRC"
       rm -rf "$SRC.tmp" && mkdir -p "$SRC.tmp"
       tar xzf "$SDIST" -C "$SRC.tmp" --strip-components=1
       rm -rf "$SRC" && mv "$SRC.tmp" "$SRC"
     fi
-    log "(b) cmake configure (${CMAKE_FLAGS[*]})"
+    log "(b) cmake configure (${CMAKE_FLAGS[*]}, shared libraries)"
     # Fresh build tree: the flags may have changed since the last one.
     rm -rf "$BUILD"
     # UI off and no prebuilt-UI download: the build must not reach the network.
@@ -160,15 +146,41 @@ job() {
       -DCMAKE_BUILD_TYPE=Release "${CMAKE_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
       -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-      -DBUILD_SHARED_LIBS=OFF
+      -DBUILD_SHARED_LIBS=ON -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN'
     log "(b) cmake build ${TOOLS[*]} ($JOBS jobs)"
-    nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TOOLS[@]}"
+    nice -n 10 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TOOLS[@]}" llama ggml
     rm -rf "$BIN.tmp" && mkdir -p "$BIN.tmp"
     for t in "${TOOLS[@]}"; do cp "$BUILD/bin/$t" "$BIN.tmp/$t"; done
+    find "$BUILD" -name 'lib*.so*' \( -type f -o -type l \) -exec cp -a {} "$BIN.tmp/" \;
+    [[ -e "$BIN.tmp/libllama.so" ]] || { log "(b) FAILED: no libllama.so in $BUILD"; exit 1; }
     printf '%s\n' "$BUILD_ID" > "$BIN.tmp/BUILD"
     rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
     bins_ok || { log "(b) FAILED: llama-bench smoke run failed"; exit 1; }
     log "(b) done in $(( $(date +%s) - tb ))s"
+  fi
+
+  if py_ok; then
+    log "(a) llama_cpp $V already importable; skipping pip install"
+  else
+    log "(a) llama_cpp $V missing, built with other flags, or failing its smoke eval"
+    log "(a) pip install llama-cpp-python==$V without its llama.cpp build; libraries from (b)"
+    local ta; ta=$(date +%s)
+    rm -f "$PY_STAMP"
+    # Drop a broken/stale install first; --no-cache-dir: pip would otherwise reinstall the
+    # wheel it cached from an earlier build of this sdist, whatever CMAKE_ARGS say now.
+    if "$PY" -m pip show -q llama-cpp-python >/dev/null 2>&1; then
+      "$PY" -m pip uninstall -y llama-cpp-python
+    fi
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" \
+      nice -n 10 "$PY" -m pip install -q --no-cache-dir --no-binary llama-cpp-python "$SDIST"
+    # find_spec locates the package without importing it (the import needs the libraries).
+    local lib
+    lib="$("$PY" -c 'import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec("llama_cpp").origin), "lib"))')"
+    mkdir -p "$lib"
+    find "$BIN" -maxdepth 1 -name 'lib*.so*' -exec cp -a {} "$lib/" \;
+    printf '%s\n' "$BUILD_ID" > "$PY_STAMP"
+    py_ok || { rm -f "$PY_STAMP"; log "(a) FAILED: llama_cpp $V not importable or smoke eval failed after install"; exit 1; }
+    log "(a) done in $(( $(date +%s) - ta ))s"
   fi
   log "job finished in $(( $(date +%s) - t0 ))s"
 }
