@@ -58,8 +58,11 @@ pub mod server;
 pub mod source;
 #[forbid(unsafe_code)]
 pub mod speculative;
-/// Test fixtures; other crates' tests get them with the `testutil` feature.
-#[cfg(any(test, feature = "testutil"))]
+/// Test fixtures for this crate's and other crates' tests (`dspark-train`). Always compiled
+/// (nothing in the binaries calls them, so nothing of them is linked): behind a feature, the
+/// test build of this crate differed from the release build and `make test` compiled the
+/// engine twice.
+#[doc(hidden)]
 #[forbid(unsafe_code)]
 pub mod testutil;
 #[forbid(unsafe_code)]
