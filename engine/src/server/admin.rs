@@ -50,20 +50,29 @@ fn error(code: StatusCode, kind: &str, msg: impl Into<String>) -> Response {
     (code, Json(ErrorBody::new(kind, msg))).into_response()
 }
 
-/// Constant-time comparison of the bearer token; the 401 response when it does not match.
+/// Whether `got` is the token `want`, in time independent of where they differ and of how
+/// long `want` is: both are hashed (SHA-256, over their whole length) and the digests are
+/// compared with no early exit. Comparing the bytes directly would need the lengths
+/// compared too (a `u8` cast of the length difference accepted the token followed by 256
+/// extra bytes).
+fn token_matches(want: &[u8], got: &[u8]) -> bool {
+    use sha2::{Digest, Sha256};
+    if want.is_empty() || got.is_empty() {
+        return false;
+    }
+    let (a, b) = (Sha256::digest(want), Sha256::digest(got));
+    let diff = a.iter().zip(b.iter()).fold(0u8, |d, (x, y)| d | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+/// The 401 response when the bearer token does not match.
 fn unauthorized(st: &Admin, headers: &HeaderMap) -> Option<Response> {
     let given = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    let want = st.token.as_bytes();
-    let got = given.as_bytes();
-    let mut diff = (want.len() ^ got.len()) as u8;
-    for (i, &w) in want.iter().enumerate() {
-        diff |= w ^ got.get(i).copied().unwrap_or(0);
-    }
-    if diff == 0 && !got.is_empty() {
+    if token_matches(st.token.as_bytes(), given.as_bytes()) {
         None
     } else {
         Some(error(
@@ -122,5 +131,30 @@ async fn put_table(State(st): State<Arc<Admin>>, headers: HeaderMap, body: Strin
             tracing::warn!("refused pushed cost table: {e}");
             error(code, "invalid_request_error", e.to_string())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_matches;
+
+    #[test]
+    fn only_the_token_itself_matches() {
+        let t = b"s3cret-token";
+        assert!(token_matches(t, t));
+        // The token followed by 256 * k more bytes (the length difference used to go
+        // through `as u8`), a prefix, one byte off, empty.
+        for k in 1..=3 {
+            let mut long = t.to_vec();
+            long.extend(std::iter::repeat_n(0u8, 256 * k));
+            assert!(!token_matches(t, &long), "token + {} zero bytes", 256 * k);
+            let mut long = t.to_vec();
+            long.extend(std::iter::repeat_n(b'x', 256 * k));
+            assert!(!token_matches(t, &long), "token + {} bytes", 256 * k);
+        }
+        assert!(!token_matches(t, &t[..t.len() - 1]));
+        assert!(!token_matches(t, b"s3cret-tokeN"));
+        assert!(!token_matches(t, b""));
+        assert!(!token_matches(b"", b""));
     }
 }
