@@ -6,7 +6,7 @@ use clap::{Parser, Subcommand};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::loader;
 use dspark_engine::runtime::{self, AppOptions};
-use dspark_engine::server::router;
+use dspark_engine::server::router_with;
 use dspark_engine::source;
 use dspark_engine::speculative::{PolicyKind, Speculation, VerifyPolicy};
 use dspark_engine::VERSION;
@@ -194,6 +194,14 @@ struct ServeArgs {
     /// On SIGTERM, how long in-flight requests may finish before the process exits.
     #[arg(long = flags::DRAIN_TIMEOUT_SECS, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// Largest request body in bytes: a larger one gets 413 (OpenAI error format).
+    #[arg(long, env = "DSPARK_MAX_REQUEST_BYTES", default_value_t = dspark_engine::server::DEFAULT_MAX_REQUEST_BYTES)]
+    max_request_bytes: usize,
+    /// Work budget of one request's structured-output constraint (schema nodes visited by
+    /// the max_tokens check; llguidance's grammar size, lexer fuel and per-mask work are
+    /// shares of it, the default giving its defaults): past it, 400 naming this limit.
+    #[arg(long, env = "DSPARK_MAX_GRAMMAR_WORK", default_value_t = dspark_engine::server::DEFAULT_MAX_GRAMMAR_WORK)]
+    max_grammar_work: u64,
     /// Drafter for speculative decoding: none | ngram (prompt lookup) | parallel (DFlash
     /// baseline) | dspark-markov | dspark-rnn. Default: the head of --drafter when given, else
     /// the model's shipped drafter when --drafters holds one (with --policy dspark unless
@@ -499,6 +507,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             online_calibration: a.online_calibration,
             experiment,
             prefix_cache: !a.no_prefix_cache,
+            faults: Default::default(),
         },
         show_progress: true,
         drafter: drafter.map(|d| d.path),
@@ -532,7 +541,11 @@ fn serve(a: ServeArgs) -> Result<()> {
             dspark_engine::cost::source_name(ct.source),
             ct.revision
         );
-        let app = router(state.clone());
+        let limits = dspark_engine::server::Limits {
+            max_request_bytes: a.max_request_bytes,
+            max_grammar_work: a.max_grammar_work,
+        };
+        let app = router_with(state.clone(), limits);
         let server = tokio::spawn(async move { axum::serve(listener, app).await });
         shutdown_signal().await;
         state.draining.store(true, Ordering::SeqCst);

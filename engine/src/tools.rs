@@ -64,13 +64,20 @@ impl ToolSet {
         self.choice != ToolChoice::None && !self.tools.is_empty()
     }
 
-    /// The Lark grammar (llguidance) forcing the answer to be calls: of the named
-    /// function, or of any tool for `required`. `None` when the model decides.
+    /// The Lark grammar (llguidance) forcing the answer to be calls: one of the named
+    /// function, or for `required` one of any tool, and with `parallel` up to one more per
+    /// further tool offered. After each call the grammar may end, and after the last call
+    /// it must: a model that would go on writing calls (small ones do) stops there, and
+    /// the answer ends with `finish_reason: "tool_calls"` instead of running into
+    /// `max_tokens`. `None` when the model decides.
     pub fn forced_grammar(&self) -> Option<String> {
         match &self.choice {
-            ToolChoice::Required => Some(self.grammar_over(self.tools.iter().collect())),
+            ToolChoice::Required => {
+                let most = if self.parallel { self.tools.len() } else { 1 };
+                Some(self.grammar_over(self.tools.iter().collect(), most))
+            }
             ToolChoice::Named(n) => {
-                Some(self.grammar_over(self.tools.iter().filter(|t| &t.name == n).collect()))
+                Some(self.grammar_over(self.tools.iter().filter(|t| &t.name == n).collect(), 1))
             }
             ToolChoice::None | ToolChoice::Auto => None,
         }
@@ -78,10 +85,12 @@ impl ToolSet {
 
     /// The grammar of a call of any tool (compiling it checks every tool's schema).
     pub fn any_call_grammar(&self) -> String {
-        self.grammar_over(self.tools.iter().collect())
+        self.grammar_over(self.tools.iter().collect(), 1)
     }
 
-    fn grammar_over(&self, tools: Vec<&Tool>) -> String {
+    /// Between 1 and `most` calls of `tools`, their arguments compact JSON
+    /// ([`crate::constraint::JsonStyle::Compact`]).
+    fn grammar_over(&self, tools: Vec<&Tool>, most: usize) -> String {
         let mut alts: Vec<Value> = tools
             .iter()
             .map(|t| {
@@ -98,11 +107,12 @@ impl ToolSet {
         } else {
             json!({ "anyOf": alts })
         };
-        let more = if self.parallel {
-            " (\"\\n\" call)*"
-        } else {
-            ""
-        };
+        let (schema, _) = crate::constraint::JsonStyle::Compact.apply(&schema);
+        // `call ("\n" call ("\n" call)?)?`: at most `most` calls.
+        let mut more = String::new();
+        for _ in 1..most.max(1) {
+            more = format!(" (\"\\n\" call{more})?");
+        }
         format!(
             "start: call{more}\ncall: \"{OPEN}\\n\" body \"\\n{CLOSE}\"\nbody: %json {schema}\n"
         )
@@ -434,9 +444,16 @@ mod tests {
             g.contains("\"const\":\"add\"") && !g.contains("get_weather"),
             "{g}"
         );
-        assert!(!g.contains("call)*"));
+        assert!(!g.contains("call)?"));
+        assert!(g.contains("\"whitespace_flexible\":false"), "{g}");
+        // Parallel calls: at most one per tool (two here), then the grammar ends.
         let g = set(ToolChoice::Required, true).forced_grammar().unwrap();
-        assert!(g.contains("anyOf") && g.contains("call)*"), "{g}");
+        assert!(
+            g.contains("anyOf") && g.starts_with("start: call (\"\\n\" call)?\n"),
+            "{g}"
+        );
+        let g = set(ToolChoice::Required, false).forced_grammar().unwrap();
+        assert!(g.starts_with("start: call\n"), "{g}");
         assert!(set(ToolChoice::Auto, true).forced_grammar().is_none());
         assert!(!set(ToolChoice::None, true).active());
     }

@@ -1246,3 +1246,427 @@ fn a_request_that_fails_fails_alone() {
     assert_eq!(outcome(b).as_deref(), Ok(alone.as_str()));
     assert_eq!(outcome(submit(None)).as_deref(), Ok(alone.as_str()));
 }
+
+/// An engine on its own, with its state (to serve it with other limits too).
+fn fresh_state() -> std::sync::Arc<dspark_engine::server::AppState> {
+    start_state(EngineConfig::default(), 64, None)
+}
+
+/// Request bodies over `--max-request-bytes` get 413 in the OpenAI error format, with the
+/// limit in the message, whether the client declares the length or streams the body
+/// (chunked), and however far over it is: the server reads the rest before answering, so
+/// the client sees the answer, not a connection reset. A body under the limit is served.
+#[test]
+fn oversized_bodies_get_413_in_openai_format() {
+    use dspark_engine::server::{router_with, Limits, DEFAULT_MAX_REQUEST_BYTES};
+    let st = fresh_state();
+    let default = common::serve(dspark_engine::server::router(st.clone()));
+    let small = common::serve(router_with(
+        st,
+        Limits {
+            max_request_bytes: 64 * 1024,
+            ..Default::default()
+        },
+    ));
+    let check = |r: reqwest::blocking::Response, limit: usize| {
+        assert_eq!(r.status().as_u16(), 413);
+        let e: Value = r.json().expect("an OpenAI error body");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        assert_eq!(e["error"]["code"], "request_too_large", "{e}");
+        let msg = e["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(&limit.to_string()), "{msg}");
+    };
+    // Four 1 MB stop strings (4 MB), and 20 MB.
+    let stop: Vec<String> = (0..4).map(|i| format!("{i}").repeat(1 << 20)).collect();
+    let four = chat("x", json!({"stop": stop})).to_string();
+    let twenty = chat("x", json!({"stop": ["y".repeat(20 << 20)]})).to_string();
+    for body in [four.clone(), twenty] {
+        let r = client()
+            .post(format!("{}/v1/chat/completions", default.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .expect("an answer, not a reset");
+        check(r, DEFAULT_MAX_REQUEST_BYTES);
+    }
+    // Chunked (no Content-Length): the limit is found while reading.
+    let r = client()
+        .post(format!("{}/v1/completions", default.base))
+        .header("content-type", "application/json")
+        .body(reqwest::blocking::Body::new(std::io::Cursor::new(
+            four.into_bytes(),
+        )))
+        .send()
+        .expect("an answer, not a reset");
+    check(r, DEFAULT_MAX_REQUEST_BYTES);
+    // The limit is the flag's: 100 KB is over 64 KiB here, under the default there.
+    let padded = format!(
+        "{}{}",
+        json!({"model": "default", "prompt": "Hi", "max_tokens": 1}),
+        " ".repeat(100 * 1024)
+    );
+    for (base, code) in [(&small.base, 413), (&default.base, 200)] {
+        let r = client()
+            .post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(padded.clone())
+            .send()
+            .unwrap();
+        if code == 413 {
+            check(r, 64 * 1024);
+        } else {
+            assert_eq!(r.status().as_u16(), 200, "{:?}", r.text());
+        }
+    }
+}
+
+/// A message without content (null or missing) is a 400 naming the field, except an
+/// assistant message that carries tool calls (OpenAI allows that).
+#[test]
+fn null_message_content_is_a_400_naming_the_field() {
+    let s = server();
+    let msgs = |m: Value| json!({"model": "smollm2", "max_tokens": 1, "messages": m});
+    for (body, param) in [
+        (
+            msgs(json!([{"role": "user", "content": null}])),
+            "messages[0].content",
+        ),
+        (msgs(json!([{"role": "user"}])), "messages[0].content"),
+        (
+            msgs(json!([{"role": "system", "content": null}, {"role": "user", "content": "Hi"}])),
+            "messages[0].content",
+        ),
+        (
+            msgs(
+                json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": null},
+                {"role": "user", "content": "Hi"}]),
+            ),
+            "messages[1].content",
+        ),
+        (
+            msgs(json!([{"role": "user", "content": [{"type": "text", "text": null}]}])),
+            "messages[0].content[0].text",
+        ),
+    ] {
+        let (code, e) = post(&s.base, "/v1/chat/completions", body.clone());
+        assert_eq!(code, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(param),
+            "{e}"
+        );
+    }
+    let calls = msgs(json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]));
+    let (code, r) = post(&s.base, "/v1/chat/completions", calls);
+    assert_eq!(code, 200, "{r}");
+}
+
+/// A forced call (`required` with one tool, a named function, `required` without parallel
+/// calls) ends the choice after the call with `finish_reason: "tool_calls"`, sampled or
+/// greedy, streamed or not: the call grammar ends after the calls it allows (it used to
+/// allow more calls for ever, and the model wrote them until `max_tokens`).
+#[test]
+fn a_forced_tool_call_ends_the_choice() {
+    let s = server();
+    let one_tool = json!([weather_tools()[0].clone()]);
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for (tools, choice, parallel) in [
+        (one_tool.clone(), json!("required"), Value::Null),
+        (one_tool, json!("required"), json!(true)),
+        (weather_tools(), named, Value::Null),
+        (weather_tools(), json!("required"), json!(false)),
+    ] {
+        for seed in 0..3 {
+            let mut body = chat(
+                "What is the weather in Paris?",
+                json!({"max_tokens": 100, "temperature": 0.8, "seed": seed, "tools": tools,
+                    "tool_choice": choice}),
+            );
+            if !parallel.is_null() {
+                body["parallel_tool_calls"] = parallel.clone();
+            }
+            let (code, r) = post(&s.base, "/v1/chat/completions", body.clone());
+            assert_eq!(code, 200, "{r}");
+            let calls = calls_of(&r);
+            assert_eq!(calls.len(), 1, "{body}: {r}");
+            body["stream"] = json!(true);
+            assert_eq!(
+                streamed_calls(&sse(&s.base, "/v1/chat/completions", body)),
+                calls
+            );
+        }
+    }
+}
+
+/// Strips JSON string literals (what is left is the JSON's structure, numbers and
+/// whitespace).
+fn outside_strings(json: &str) -> String {
+    let (mut out, mut in_str, mut esc) = (String::new(), false, false);
+    for c in json.chars() {
+        if in_str {
+            if esc {
+                esc = false;
+            } else if c == '\\' {
+                esc = true;
+            } else if c == '"' {
+                in_str = false;
+            }
+        } else if c == '"' {
+            in_str = true;
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// JSON outputs are compact by default (no whitespace between tokens) and their numbers
+/// end: a model pushed to write digits for ever (logit_bias +100 on every digit) gets at
+/// most 20 in a row and the answer completes (it ran into `max_tokens` before). A request
+/// may still ask for whitespace (`guided_whitespace_pattern`).
+#[test]
+fn json_outputs_are_compact_and_their_numbers_end() {
+    let s = server();
+    let schema = json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+        "score": {"type": "number"}}, "required": ["name", "age", "score"],
+        "additionalProperties": false});
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": true}});
+    for seed in 0..3 {
+        let (code, r) = post(
+            &s.base,
+            "/v1/chat/completions",
+            chat(
+                "Describe a fictional athlete as JSON.",
+                json!({"max_tokens": 160, "temperature": 0.8, "seed": seed, "response_format": rf}),
+            ),
+        );
+        assert_eq!(code, 200, "{r}");
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        let v: Value = serde_json::from_str(text).expect("the answer parses");
+        assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+        assert!(
+            !outside_strings(text).contains(char::is_whitespace),
+            "not compact: {text:?}"
+        );
+    }
+    // Digits pushed as hard as logit_bias allows.
+    let mut bias = serde_json::Map::new();
+    for d in 0..10 {
+        let (_, t) = post(
+            &s.base,
+            "/tokenize",
+            json!({"prompt": d.to_string(), "add_special_tokens": false}),
+        );
+        if let [id] = t["tokens"].as_array().unwrap().as_slice() {
+            bias.insert(id.to_string(), json!(100));
+        }
+    }
+    assert!(!bias.is_empty(), "no single-digit tokens");
+    let number = json!({"type": "json_schema", "json_schema": {"name": "n", "schema":
+        {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}});
+    let (code, r) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "Write a number.",
+            json!({"max_tokens": 200, "temperature": 0, "logit_bias": bias, "response_format": number}),
+        ),
+    );
+    assert_eq!(code, 200, "{r}");
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{text}");
+    let longest = text
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::len)
+        .max()
+        .unwrap_or(0);
+    assert!(longest <= 20, "a run of {longest} digits: {text}");
+    assert!(text.starts_with("{\"x\":") && text.ends_with('}'), "{text}");
+    // Flexible whitespace on request; an empty pattern is refused.
+    let (code, r) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "Describe a fictional athlete as JSON.",
+            json!({"max_tokens": 160, "temperature": 0, "response_format": rf,
+                "guided_whitespace_pattern": "[ \\n]{0,2}"}),
+        ),
+    );
+    assert_eq!(code, 200, "{r}");
+    let (code, e) = post(
+        &s.base,
+        "/v1/chat/completions",
+        chat(
+            "x",
+            json!({"response_format": rf, "guided_whitespace_pattern": ""}),
+        ),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert_eq!(e["error"]["param"], "guided_whitespace_pattern", "{e}");
+}
+
+/// The hostile schema of issue #51 (300 bytes: an object whose properties `l` and `r` are
+/// itself and whose array property needs 64 of itself) is answered promptly; it used to
+/// hang a core for good in the max_tokens check. A schema over `--max-grammar-work` is a
+/// 400 that names the limit.
+#[test]
+fn schema_analysis_is_bounded() {
+    use dspark_engine::server::{router_with, Limits};
+    let s = server();
+    let hostile = json!({"type": "object", "properties": {"l": {"$ref": "#"}, "r": {"$ref": "#"},
+        "a": {"type": "array", "items": {"$ref": "#"}, "minItems": 64}},
+        "required": ["l", "r", "a"]});
+    assert!(hostile.to_string().len() < 300);
+    let quick = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    for max_tokens in [1, 60] {
+        let t = std::time::Instant::now();
+        let r = quick
+            .post(format!("{}/v1/chat/completions", s.base))
+            .json(&chat(
+                "x",
+                json!({"max_tokens": max_tokens, "response_format": {"type": "json_schema",
+                    "json_schema": {"name": "t", "schema": hostile}}}),
+            ))
+            .send()
+            .expect("answered within a minute");
+        let code = r.status().as_u16();
+        let body: Value = r.json().unwrap();
+        assert!(code == 200 || code == 400, "{code}: {body}");
+        if code == 400 && body["error"]["param"] != "max_tokens" {
+            assert_eq!(body["error"]["code"], "limit_exceeded", "{body}");
+            let msg = body["error"]["message"].as_str().unwrap();
+            assert!(msg.contains("--max-grammar-work"), "{msg}");
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    }
+    let tight = common::serve(router_with(
+        fresh_state(),
+        Limits {
+            max_grammar_work: 50,
+            ..Default::default()
+        },
+    ));
+    let props: serde_json::Map<String, Value> = (0..100)
+        .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+        .collect();
+    let names: Vec<&String> = props.keys().collect();
+    let wide = json!({"type": "object", "properties": props, "required": names});
+    let (code, e) = post(
+        &tight.base,
+        "/v1/chat/completions",
+        chat(
+            "x",
+            json!({"max_tokens": 500, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "w", "schema": wide}}}),
+        ),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert_eq!(e["error"]["param"], "response_format", "{e}");
+    assert_eq!(e["error"]["code"], "limit_exceeded", "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-grammar-work"),
+        "{e}"
+    );
+}
+
+/// Polls `/ready` until `requests_running` reaches `n`.
+fn wait_running(base: &str, n: u64) {
+    let t = std::time::Instant::now();
+    loop {
+        let r: Value = client()
+            .get(format!("{base}/ready"))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        if r["requests_running"].as_u64().unwrap_or(0) >= n {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "never {n} running: {r}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// When the engine thread dies (a panic in a step, injected), `/health` and `/ready` answer
+/// 503, the requests in flight end with an OpenAI-format error (a streamed one with an error
+/// event before `[DONE]`), and new requests get 503.
+#[test]
+fn a_dead_engine_fails_probes_and_requests() {
+    use std::io::BufRead;
+    let faults = dspark_engine::engine::Faults::default();
+    let s = spawn(
+        EngineConfig {
+            faults: faults.clone(),
+            ..Default::default()
+        },
+        64,
+    );
+    let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1500,
+        "temperature": 0.8, "ignore_eos": true});
+    let mut streamed = long.clone();
+    streamed["stream"] = json!(true);
+    let r = client()
+        .post(format!("{}/v1/completions", s.base))
+        .json(&streamed)
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut lines = std::io::BufReader::new(r).lines();
+    let first = lines
+        .by_ref()
+        .map(Result::unwrap)
+        .find(|l| l.starts_with("data: "))
+        .expect("a first chunk");
+    assert!(!first.contains("error"), "{first}");
+    let base = s.base.clone();
+    let whole = std::thread::spawn(move || post(&base, "/v1/completions", long));
+    wait_running(&s.base, 2);
+    faults.panic_next_step();
+    let rest: Vec<String> = lines
+        .map(Result::unwrap)
+        .filter_map(|l| l.strip_prefix("data: ").map(String::from))
+        .collect();
+    let (last, before) = rest.split_last().expect("frames after the fault");
+    assert_eq!(last, "[DONE]", "{rest:?}");
+    let err: Value = serde_json::from_str(before.last().expect("an error frame")).unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("panicked"),
+        "{err}"
+    );
+    let (code, e) = whole.join().unwrap();
+    assert_eq!(code, 503, "{e}");
+    assert_eq!(e["error"]["type"], "server_error", "{e}");
+    for probe in ["/health", "/ready"] {
+        let r = client().get(format!("{}{probe}", s.base)).send().unwrap();
+        assert_eq!(r.status().as_u16(), 503, "{probe}");
+    }
+    let (code, e) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": "default", "prompt": "Hi", "max_tokens": 2}),
+    );
+    assert_eq!(code, 503, "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("stopped"),
+        "{e}"
+    );
+}

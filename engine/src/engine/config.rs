@@ -2,6 +2,8 @@
 
 use crate::experiment::Arm;
 use crate::speculative::{Speculation, VerifyPolicy};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
@@ -25,6 +27,28 @@ pub struct EngineConfig {
     pub experiment: Option<(Vec<Arm>, Duration)>,
     /// Automatic prefix caching of full prompt blocks (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// Test-only fault injection (no flag sets it): see [`Faults`].
+    #[doc(hidden)]
+    pub faults: Faults,
+}
+
+/// Test-only fault injection: a test keeps a clone and trips a fault in the running engine
+/// to check what the server does then (no `serve` flag or variable reaches it).
+#[doc(hidden)]
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    panic_next_step: Arc<AtomicBool>,
+}
+
+impl Faults {
+    /// The engine thread panics in its next step that has work.
+    pub fn panic_next_step(&self) {
+        self.panic_next_step.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn take_panic(&self) -> bool {
+        self.panic_next_step.swap(false, Ordering::SeqCst)
+    }
 }
 
 impl Default for EngineConfig {
@@ -39,6 +63,7 @@ impl Default for EngineConfig {
             online_calibration: crate::speculative::recalibrate::DEFAULT_STEP,
             experiment: None,
             prefix_cache: true,
+            faults: Faults::default(),
         }
     }
 }

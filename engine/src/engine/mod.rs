@@ -20,7 +20,7 @@ mod planner;
 mod request;
 mod seq;
 
-pub use config::EngineConfig;
+pub use config::{EngineConfig, Faults};
 pub use request::{
     EngineHandle, Event, FinishReason, GenRequest, SubmitError, TokenLogprob, Usage,
 };
@@ -63,6 +63,8 @@ pub struct Engine {
     costs: Arc<CostTables>,
     next_id: u64,
     experiment: Option<Experiment>,
+    /// Shared with the handles: set when the thread dies.
+    failed: Arc<std::sync::OnceLock<String>>,
 }
 
 impl Engine {
@@ -77,11 +79,13 @@ impl Engine {
         let (tx, rx) = std::sync::mpsc::channel();
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(std::sync::OnceLock::new());
         let handle = EngineHandle {
             tx,
             waiting: waiting.clone(),
             running: running.clone(),
             max_waiting: cfg.max_waiting,
+            failed: failed.clone(),
         };
         let mut engine = Self {
             model,
@@ -104,6 +108,7 @@ impl Engine {
             costs,
             next_id: 0,
             experiment: None,
+            failed,
         };
         if engine.cfg.prefix_cache {
             engine.kv.enable_prefix_cache("target");
@@ -141,8 +146,37 @@ impl Engine {
         model.max_context().min(kv.capacity_tokens())
     }
 
-    /// Runs until every handle is dropped and no work is left.
+    /// Runs until every handle is dropped and no work is left. A panic in a step ends the
+    /// thread cleanly instead of silently: the handles report the failure (`/health` and
+    /// `/ready` fail), every queued and running request gets an error event, and dropping
+    /// the engine closes the queue (later submissions fail).
     pub fn run(mut self) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.serve()));
+        let Err(payload) = r else { return };
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        let why = format!("the engine thread panicked: {why}");
+        tracing::error!("{why}; failing every request (the pod must be restarted)");
+        let _ = self.failed.set(why.clone());
+        while let Ok(r) = self.rx.try_recv() {
+            self.enqueue(r);
+        }
+        for s in self.running.drain(..).chain(self.waiting.drain(..)) {
+            let _ = s
+                .req
+                .events
+                .send(Event::Error(format!("engine failure: {why}")));
+        }
+        self.running_count
+            .store(0, std::sync::atomic::Ordering::SeqCst);
+        self.waiting_count
+            .store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn serve(&mut self) {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv_timeout(Duration::from_millis(50)) {
@@ -256,6 +290,9 @@ impl Engine {
         self.publish_counts();
         if self.running.is_empty() {
             return Ok(());
+        }
+        if self.cfg.faults.take_panic() {
+            panic!("injected fault (test only): the step panics");
         }
         let loads: Vec<Load> = self
             .running

@@ -84,6 +84,8 @@ pub struct EngineHandle {
     pub waiting: Arc<AtomicUsize>,
     pub running: Arc<AtomicUsize>,
     pub max_waiting: usize,
+    /// Set once when the engine thread dies (a panic in a step): why.
+    pub(super) failed: Arc<std::sync::OnceLock<String>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +97,12 @@ pub enum SubmitError {
 }
 
 impl EngineHandle {
+    /// Why the engine thread died, once it has (the server then fails `/health`, `/ready`
+    /// and new requests).
+    pub fn failure(&self) -> Option<String> {
+        self.failed.get().cloned()
+    }
+
     pub fn submit(&self, req: GenRequest) -> Result<(), SubmitError> {
         let w = self.waiting.fetch_add(1, Ordering::SeqCst);
         if w >= self.max_waiting {

@@ -5,7 +5,7 @@
 use super::error::ApiError;
 use super::generate::{self, Finished, Render};
 use super::openai::*;
-use super::{check_model, gen_id, now_secs, request_span, AppState};
+use super::{check_model, gen_id, now_secs, request_span, AppState, Limits};
 use crate::chat::ChatMessage;
 use crate::constraint::GrammarSpec;
 use crate::engine::TokenLogprob;
@@ -13,11 +13,13 @@ use crate::tools::{inline_tools, CallStream, Piece, Tool, ToolChoice, ToolSet};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::Extension;
 use axum::Json;
 use std::sync::Arc;
 
 pub(super) async fn chat_completions(
     State(st): State<Arc<AppState>>,
+    Extension(limits): Extension<Limits>,
     headers: HeaderMap,
     body: Result<Json<ChatRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
@@ -41,12 +43,35 @@ pub(super) async fn chat_completions(
                 ),
             ));
         }
+        let calls = m.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
         let content = match &m.content {
-            None => String::new(),
+            // OpenAI's rule: only an assistant message that makes calls may leave its
+            // content out (or null).
+            None if m.role == "assistant" && calls => String::new(),
+            None => {
+                return Err(ApiError::invalid(
+                    &format!("messages[{i}].content"),
+                    format!(
+                        "messages[{i}].content is missing or null; a message of role '{}' needs content (a string or an array of text parts){}",
+                        m.role,
+                        if m.role == "assistant" {
+                            " unless it carries tool_calls"
+                        } else {
+                            ""
+                        }
+                    ),
+                ))
+            }
             Some(MessageContent::Text(t)) => t.clone(),
             Some(MessageContent::Parts(parts)) => {
                 let mut s = String::new();
-                for p in parts {
+                for (j, p) in parts.iter().enumerate() {
+                    if p.kind == "text" && p.text.is_none() {
+                        return Err(ApiError::invalid(
+                            &format!("messages[{i}].content[{j}].text"),
+                            format!("messages[{i}].content[{j}].text is missing or null; a text part needs its text"),
+                        ));
+                    }
                     if p.kind != "text" {
                         return Err(ApiError::invalid(
                             &format!("messages[{i}].content"),
@@ -98,11 +123,12 @@ pub(super) async fn chat_completions(
                         format!("a required tool call cannot be combined with {other}"),
                     ));
                 }
-                v.grammar = Some(("tools", GrammarSpec::Lark(g)));
+                v.grammar = Some(("tools", GrammarSpec::ToolCalls(g)));
             }
             // The model decides; compiling the call grammar still checks every schema.
             None => {
-                generate::compile(&st, "tools", GrammarSpec::Lark(t.any_call_grammar())).await?;
+                let spec = GrammarSpec::ToolCalls(t.any_call_grammar());
+                generate::compile(&st, &limits, "tools", spec).await?;
             }
         }
     }
@@ -157,7 +183,17 @@ pub(super) async fn chat_completions(
         pending: vec![Vec::new(); v.n],
     };
     let span = request_span(&st, "chat", &headers);
-    generate::respond(&st, vec![prompt], v, logprobs, span, "chat", render).await
+    generate::respond(
+        &st,
+        &limits,
+        vec![prompt],
+        v,
+        logprobs,
+        span,
+        "chat",
+        render,
+    )
+    .await
 }
 
 struct ChatRender {

@@ -4,16 +4,18 @@
 use super::error::ApiError;
 use super::generate::{self, Finished, Render};
 use super::openai::*;
-use super::{check_model, gen_id, now_secs, request_span, AppState};
+use super::{check_model, gen_id, now_secs, request_span, AppState, Limits};
 use crate::engine::TokenLogprob;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
+use axum::Extension;
 use axum::Json;
 use std::sync::Arc;
 
 pub(super) async fn completions(
     State(st): State<Arc<AppState>>,
+    Extension(limits): Extension<Limits>,
     headers: HeaderMap,
     body: Result<Json<CompletionRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
@@ -89,7 +91,17 @@ pub(super) async fn completions(
         logprobs: logprobs.is_some(),
     };
     let span = request_span(&st, "text_completion", &headers);
-    generate::respond(&st, prompts, v, logprobs, span, "text_completion", render).await
+    generate::respond(
+        &st,
+        &limits,
+        prompts,
+        v,
+        logprobs,
+        span,
+        "text_completion",
+        render,
+    )
+    .await
 }
 
 struct CompletionRender {

@@ -66,6 +66,27 @@ impl ApiError {
             retry_after: Some(5),
         }
     }
+    /// A request body over `--max-request-bytes`.
+    pub fn too_large(limit: usize) -> Self {
+        Self {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            kind: "invalid_request_error",
+            message: format!(
+                "the request body is larger than this server's limit of {limit} bytes ({:.1} MiB)",
+                limit as f64 / (1024.0 * 1024.0)
+            ),
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+    }
+    /// A request whose analysis would cost more than `--max-grammar-work` allows.
+    pub fn over_budget(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            code: Some("limit_exceeded"),
+            ..Self::invalid(param, message)
+        }
+    }
     pub fn internal(message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -113,8 +134,13 @@ impl IntoResponse for ApiError {
 impl From<axum::extract::rejection::JsonRejection> for ApiError {
     fn from(r: axum::extract::rejection::JsonRejection) -> Self {
         let mut e = ApiError::bad_request(format!("invalid JSON body: {}", r.body_text()));
-        if r.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
-            e.status = StatusCode::UNSUPPORTED_MEDIA_TYPE;
+        match r.status() {
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => e.status = StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                e.status = StatusCode::PAYLOAD_TOO_LARGE;
+                e.code = Some("request_too_large");
+            }
+            _ => {}
         }
         e
     }

@@ -6,7 +6,7 @@
 
 use super::error::ApiError;
 use super::openai::{UsageOut, Validated};
-use super::{AppState, InflightGuard};
+use super::{AppState, InflightGuard, Limits};
 use crate::engine::{Event, GenRequest, SubmitError, TokenLogprob, Usage};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -101,8 +101,10 @@ pub fn check_length(
 /// Submits every (prompt, choice) of a request and answers it: SSE when `v.stream`, one
 /// JSON answer otherwise. Choice `p * n + k` is the `k`th sample of prompt `p`; with a
 /// seed, it samples with `seed + k` (choices differ, and repeat).
+#[allow(clippy::too_many_arguments)]
 pub async fn respond<R: Render>(
     st: &Arc<AppState>,
+    limits: &Limits,
     prompts: Vec<PromptIds>,
     v: Validated,
     logprobs: Option<usize>,
@@ -115,12 +117,16 @@ pub async fn respond<R: Render>(
             "the server is shutting down; retry on another replica",
         ));
     }
+    if let Some(why) = st.engine.failure() {
+        return Err(ApiError::unavailable(format!(
+            "the engine has stopped ({why}); retry on another replica"
+        )));
+    }
     let constraint = match &v.grammar {
         None => None,
         Some((param, spec)) => {
-            let c = compile(st, param, spec.clone()).await?;
-            fits_max_tokens(st, param, spec, &prompts)?;
-            Some(c)
+            let max = prompts.iter().map(|p| p.max_tokens).min();
+            Some(prepare(st, limits, param, spec.clone(), max).await?)
         }
     };
     st.inflight.fetch_add(1, Ordering::SeqCst);
@@ -165,12 +171,20 @@ pub async fn respond<R: Render>(
         }
     }
     if v.stream {
-        let stream = sse(rxs, guard, render, prompt_tokens, v.n, v.include_usage);
+        let stream = sse(
+            st.clone(),
+            rxs,
+            guard,
+            render,
+            prompt_tokens,
+            v.n,
+            v.include_usage,
+        );
         return Ok(Sse::new(stream)
             .keep_alive(KeepAlive::default())
             .into_response());
     }
-    let results = futures::future::join_all(rxs.into_iter().map(collect)).await;
+    let results = futures::future::join_all(rxs.into_iter().map(|rx| collect(st, rx))).await;
     drop(guard);
     let mut usage = UsageOut {
         prompt_tokens,
@@ -190,47 +204,118 @@ pub async fn respond<R: Render>(
     Ok(Json(render.answer(choices, usage)).into_response())
 }
 
+/// Compiles a request's structured-output constraint and checks that an output within
+/// `max_tokens` can complete it, off the async runtime and within `--max-grammar-work`.
+async fn prepare(
+    st: &Arc<AppState>,
+    limits: &Limits,
+    param: &'static str,
+    spec: crate::constraint::GrammarSpec,
+    max_tokens: Option<usize>,
+) -> Result<crate::constraint::Constraint, ApiError> {
+    let Some(g) = st.grammars.clone() else {
+        return Err(no_grammars(param));
+    };
+    let work = limits.max_grammar_work;
+    tokio::task::spawn_blocking(move || {
+        // The bound first: it is cheaper, and it refuses within the budget what
+        // llguidance would only refuse after spending its own.
+        fits_max_tokens(&g, work, param, &spec, max_tokens)?;
+        compile_now(&g, work, param, &spec)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))?
+}
+
+fn no_grammars(param: &str) -> ApiError {
+    ApiError::invalid(
+        param,
+        "structured outputs are not available for this model's tokenizer",
+    )
+}
+
+/// The over-budget error of `param`.
+fn over_budget(param: &str, e: crate::constraint::OverBudget) -> ApiError {
+    ApiError::over_budget(
+        param,
+        format!("{param}: {e}; simplify it, or ask the operator to raise --max-grammar-work"),
+    )
+}
+
 /// Refuses a constraint no output within `max_tokens` can complete: its shortest text takes
 /// more tokens of this model's vocabulary than the request allows (a sound lower bound, so
 /// a request that could complete is never refused).
 fn fits_max_tokens(
-    st: &AppState,
+    g: &crate::constraint::Grammars,
+    work: u64,
     param: &'static str,
     spec: &crate::constraint::GrammarSpec,
-    prompts: &[PromptIds],
+    max_tokens: Option<usize>,
 ) -> Result<(), ApiError> {
-    let Some(g) = &st.grammars else { return Ok(()) };
-    let need = g.min_tokens(spec);
-    match prompts.iter().map(|p| p.max_tokens).min() {
+    let need = g
+        .min_tokens(spec, work)
+        .map_err(|e| over_budget(param, e))?;
+    match max_tokens {
         Some(max) if max < need => Err(ApiError::invalid(
             "max_tokens",
             format!(
                 "the {param} constraint cannot be completed within max_tokens = {max}: its \
                  shortest output is {} bytes, at least {need} tokens of this model's \
                  vocabulary; raise max_tokens to {need} or more",
-                crate::constraint::min_output_bytes(spec)
+                crate::constraint::min_output_bytes(spec, work).unwrap_or(0)
             ),
         )),
         _ => Ok(()),
     }
 }
 
+/// Compiles `spec` on this thread within `work`; errors name `param`.
+fn compile_now(
+    g: &crate::constraint::Grammars,
+    work: u64,
+    param: &'static str,
+    spec: &crate::constraint::GrammarSpec,
+) -> Result<crate::constraint::Constraint, ApiError> {
+    g.compile_within(spec, work).map_err(|e| {
+        let msg = format!("{e:#}").replace("\n<non-verbose/>", "");
+        let lower = msg.to_lowercase();
+        let limit = [
+            "fuel",
+            "too large",
+            "too many",
+            "too complex",
+            "grammar size",
+        ]
+        .iter()
+        .any(|w| lower.contains(w));
+        if limit {
+            ApiError::over_budget(
+                param,
+                format!(
+                    "{param} is too complex for this server's grammar limits \
+                     (--max-grammar-work): {msg}"
+                ),
+            )
+        } else {
+            ApiError::invalid(param, format!("invalid {param}: {msg}"))
+        }
+    })
+}
+
 /// Compiles a structured-output grammar off the async runtime; errors name `param`.
 pub(super) async fn compile(
     st: &Arc<AppState>,
+    limits: &Limits,
     param: &'static str,
     spec: crate::constraint::GrammarSpec,
 ) -> Result<crate::constraint::Constraint, ApiError> {
     let Some(g) = st.grammars.clone() else {
-        return Err(ApiError::invalid(
-            param,
-            "structured outputs are not available for this model's tokenizer",
-        ));
+        return Err(no_grammars(param));
     };
-    tokio::task::spawn_blocking(move || g.compile(&spec))
+    let work = limits.max_grammar_work;
+    tokio::task::spawn_blocking(move || compile_now(&g, work, param, &spec))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::invalid(param, format!("invalid {param}: {e:#}")))
 }
 
 /// Adds one choice's usage; `first_of_prompt`: its prompt's first choice (the prompt and
@@ -247,6 +332,7 @@ fn add_usage(total: &mut UsageOut, u: &Usage, first_of_prompt: bool) {
 
 /// Collects one whole generation.
 async fn collect(
+    st: &AppState,
     mut rx: UnboundedReceiver<Event>,
 ) -> Result<(String, Vec<TokenLogprob>, &'static str, Usage), ApiError> {
     let mut text = String::new();
@@ -258,10 +344,20 @@ async fn collect(
                 lps.extend(logprobs);
             }
             Event::Finished { reason, usage } => return Ok((text, lps, reason.as_str(), usage)),
-            Event::Error(e) => return Err(ApiError::internal(e)),
+            Event::Error(e) => return Err(failed(st, e)),
         }
     }
-    Err(ApiError::internal("the engine dropped the request"))
+    Err(failed(st, "the engine dropped the request".into()))
+}
+
+/// A request the engine failed: 503 when the engine itself has died (the replica is out of
+/// service; another may answer), 500 when only this request failed.
+fn failed(st: &AppState, e: String) -> ApiError {
+    if st.engine.failure().is_some() {
+        ApiError::unavailable(e)
+    } else {
+        ApiError::internal(e)
+    }
 }
 
 fn frame<T: Serialize>(v: &T) -> SseEvent {
@@ -270,6 +366,7 @@ fn frame<T: Serialize>(v: &T) -> SseEvent {
 
 /// The merged event streams of every choice as SSE frames, ending with `[DONE]`.
 fn sse<R: Render>(
+    st: Arc<AppState>,
     rxs: Vec<UnboundedReceiver<Event>>,
     guard: InflightGuard,
     mut render: R,
@@ -278,11 +375,15 @@ fn sse<R: Render>(
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let choices = rxs.len();
-    let merged = futures::stream::select_all(
-        rxs.into_iter()
-            .enumerate()
-            .map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))),
-    );
+    // Each choice's events, then `None` when its channel closes: a choice that closes
+    // without finishing (the engine died) ends the stream with an error event.
+    let merged = futures::stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| {
+        UnboundedReceiverStream::new(rx)
+            .map(Some)
+            .chain(futures::stream::once(futures::future::ready(None)))
+            .map(move |ev| (i, ev))
+    }));
+    let mut ended = vec![false; choices];
     let mut open = choices;
     let mut usage = UsageOut {
         prompt_tokens,
@@ -297,12 +398,18 @@ fn sse<R: Render>(
             if done {
                 return None;
             }
+            let ev = match ev {
+                Some(ev) => ev,
+                None if ended[i] => return Some(out),
+                None => Event::Error("the engine dropped the request".into()),
+            };
             match ev {
                 Event::Delta { text, logprobs } => {
                     let lp = (!logprobs.is_empty()).then_some(logprobs);
                     out.extend(render.delta(i, text, lp).iter().map(frame));
                 }
                 Event::Finished { reason, usage: u } => {
+                    ended[i] = true;
                     out.extend(render.finish(i, reason.as_str()).iter().map(frame));
                     add_usage(&mut usage, &u, i % n == 0);
                     open -= 1;
@@ -315,7 +422,8 @@ fn sse<R: Render>(
                     }
                 }
                 Event::Error(e) => {
-                    out.push(frame(&ApiError::internal(e).body()));
+                    ended[i] = true;
+                    out.push(frame(&failed(&st, e).body()));
                     out.push(SseEvent::default().data("[DONE]"));
                     done = true;
                 }

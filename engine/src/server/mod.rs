@@ -59,18 +59,139 @@ pub struct AppState {
     pub experiment: Option<Arc<std::sync::Mutex<Vec<crate::experiment::Window>>>>,
 }
 
+/// What one request may cost: the `serve` flags that bound hostile inputs (docs/operations.md,
+/// Limits).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest request body in bytes (`--max-request-bytes`): a larger one gets 413.
+    pub max_request_bytes: usize,
+    /// Work units (schema nodes and grammar symbols) the analysis and compilation of one
+    /// request's structured-output constraint may spend (`--max-grammar-work`): past it, 400.
+    pub max_grammar_work: u64,
+}
+
+/// `--max-request-bytes` by default: 2 MiB (axum's own default limit).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
+/// `--max-grammar-work` by default.
+pub const DEFAULT_MAX_GRAMMAR_WORK: u64 = 1_000_000;
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_grammar_work: DEFAULT_MAX_GRAMMAR_WORK,
+        }
+    }
+}
+
+/// The API router with the default [`Limits`].
 pub fn router(state: Arc<AppState>) -> Router {
+    router_with(state, Limits::default())
+}
+
+/// The API router with these limits.
+pub fn router_with(state: Arc<AppState>, limits: Limits) -> Router {
+    let max = limits.max_request_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
-        .route("/health", get(|| async { "ok" }))
+        .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/experiment", get(experiment))
         .with_state(state)
+        .layer(axum::Extension(limits))
+        // The whole body is read by `limit_body` (within the limit), so the extractors'
+        // own limit is the same one.
+        .layer(axum::extract::DefaultBodyLimit::max(max))
+        .layer(axum::middleware::from_fn_with_state(max, limit_body))
+}
+
+/// Most bytes of an over-limit body read and thrown away so that the client, still
+/// sending, gets the 413 rather than a connection reset; and for how long.
+const DRAIN_MAX_BYTES: u64 = 64 * 1024 * 1024;
+const DRAIN_MAX_SECS: u64 = 10;
+
+/// Reads the request body up to `max` bytes. A larger body (by its `Content-Length`, or as
+/// it arrives) gets 413 in the OpenAI error format naming the limit; the rest of it is read
+/// and dropped first (up to [`DRAIN_MAX_BYTES`] / [`DRAIN_MAX_SECS`]) unless the client
+/// waits for `100 Continue` and has sent nothing yet: closing a connection with unread data
+/// resets it, and the client would see that instead of the answer.
+async fn limit_body(
+    State(max): State<usize>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use futures::StreamExt;
+    let (parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let expects_continue = parts
+        .headers
+        .get(header::EXPECT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+    let mut stream = body.into_data_stream();
+    let mut too_large = declared.is_some_and(|n| n > max as u64);
+    if too_large && expects_continue {
+        return ApiError::too_large(max).into_response();
+    }
+    let mut buf: Vec<u8> = Vec::new();
+    if !too_large {
+        if let Some(n) = declared {
+            buf.reserve_exact(n as usize);
+        }
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    return ApiError::bad_request(format!("cannot read the request body: {e}"))
+                        .into_response()
+                }
+            };
+            if buf.len() + chunk.len() > max {
+                too_large = true;
+                break;
+            }
+            buf.extend_from_slice(&chunk);
+        }
+    }
+    if too_large {
+        drop(buf);
+        let drain = async {
+            let mut read = 0u64;
+            while let Some(Ok(c)) = stream.next().await {
+                read += c.len() as u64;
+                if read > DRAIN_MAX_BYTES {
+                    break;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(DRAIN_MAX_SECS), drain).await;
+        return ApiError::too_large(max).into_response();
+    }
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(buf),
+    ))
+    .await
+}
+
+/// Liveness: 200 while the engine thread runs; 503 once it has died (a panic in a step),
+/// so that the liveness probe restarts the pod.
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.failure() {
+        None => "ok".into_response(),
+        Some(why) => {
+            ApiError::unavailable(format!("the engine has stopped: {why}")).into_response()
+        }
+    }
 }
 
 fn now_secs() -> u64 {
@@ -121,7 +242,12 @@ async fn ready(State(st): State<Arc<AppState>>) -> Response {
             }
         }
     }
-    let code = if st.draining.load(Ordering::SeqCst) {
+    let failure = st.engine.failure();
+    if let (Some(why), Some(b)) = (&failure, body.as_object_mut()) {
+        b.insert("status".into(), json!("engine_failed"));
+        b.insert("engine_error".into(), json!(why));
+    }
+    let code = if st.draining.load(Ordering::SeqCst) || failure.is_some() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK

@@ -106,6 +106,10 @@ pub struct CommonParams {
     pub guided_json: Option<serde_json::Value>,
     pub guided_regex: Option<String>,
     pub guided_grammar: Option<String>,
+    /// Extension (vLLM's): whitespace allowed between the tokens of JSON outputs, a regular
+    /// expression (e.g. `[ \n\t]+`). Without it JSON outputs are compact and numbers have at
+    /// most [`crate::constraint::MAX_NUMBER_DIGITS`] digits in a row.
+    pub guided_whitespace_pattern: Option<String>,
     /// Extension (vLLM): drop tokens below `min_p` times the most likely one's probability.
     pub min_p: Option<f32>,
     /// Extension (vLLM, Hugging Face): penalise tokens already in the prompt or output.
@@ -279,13 +283,25 @@ pub fn validate_common(c: &CommonParams, vocab_size: usize) -> Result<Validated,
 fn grammar_of(
     c: &CommonParams,
 ) -> Result<Option<(&'static str, crate::constraint::GrammarSpec)>, ApiError> {
-    use crate::constraint::GrammarSpec;
+    use crate::constraint::{GrammarSpec, JsonStyle};
+    let style = match &c.guided_whitespace_pattern {
+        None => JsonStyle::Compact,
+        Some(p) if p.is_empty() => {
+            return Err(ApiError::invalid(
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern must be a non-empty regular expression (e.g. \"[ \\n\\t]+\")",
+            ))
+        }
+        Some(p) => JsonStyle::Flexible(p.clone()),
+    };
     let mut found: Vec<(&'static str, GrammarSpec)> = Vec::new();
     if let Some(rf) = &c.response_format {
         let kind = rf.get("type").and_then(|t| t.as_str()).unwrap_or("");
         match kind {
             "text" => {}
-            "json_object" => found.push(("response_format", GrammarSpec::JsonObject)),
+            "json_object" => {
+                found.push(("response_format", GrammarSpec::JsonObject(style.clone())))
+            }
             "json_schema" => {
                 let schema = rf
                     .get("json_schema")
@@ -297,7 +313,10 @@ fn grammar_of(
                             "response_format json_schema needs json_schema.schema",
                         )
                     })?;
-                found.push(("response_format", GrammarSpec::JsonSchema(schema)));
+                found.push((
+                    "response_format",
+                    GrammarSpec::JsonSchema(schema, style.clone()),
+                ));
             }
             other => {
                 return Err(ApiError::invalid(
@@ -310,7 +329,7 @@ fn grammar_of(
         }
     }
     if let Some(s) = &c.guided_json {
-        found.push(("guided_json", GrammarSpec::JsonSchema(s.clone())));
+        found.push(("guided_json", GrammarSpec::JsonSchema(s.clone(), style)));
     }
     if let Some(r) = &c.guided_regex {
         found.push(("guided_regex", GrammarSpec::Regex(r.clone())));
