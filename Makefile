@@ -9,6 +9,13 @@ export CARGO_TARGET_DIR
 DSPARK_ENGINE_BIN ?= $(CARGO_TARGET_DIR)/release/dspark-engine
 export DSPARK_ENGINE_BIN
 MODEL ?= $(DSPARK_CACHE)/models/SmolLM2-135M-Instruct.Q4_1.gguf
+# `make demo MODEL=qwen2.5-coder-1.5b`: the real-size target (1.1 GB, fetched on first use)
+# with its shipped drafter.
+FETCH_SET ?= default
+ifeq ($(MODEL),qwen2.5-coder-1.5b)
+override MODEL := $(DSPARK_CACHE)/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+FETCH_SET := qwen
+endif
 PORT ?= 8000
 CARGO ?= cargo
 
@@ -22,7 +29,7 @@ setup:
 	scripts/setup.sh
 
 demo: build
-	scripts/fetch-models.sh
+	scripts/fetch-models.sh $(FETCH_SET)
 	scripts/demo.sh "$(MODEL)" "$(PORT)"
 
 lint:

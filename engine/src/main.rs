@@ -210,9 +210,10 @@ struct ServeArgs {
     speculation: Option<String>,
     /// Where shipped drafters are looked for when --speculation is not given: folders
     /// separated by ':', each a drafter checkpoint or a folder of them; a drafter serves the
-    /// models its manifest.json lists in `target_models`.
-    #[arg(long, env = cenv::DRAFTERS, default_value = dspark_engine::loader::SHIPPED_DRAFTERS)]
-    drafters: String,
+    /// models its manifest.json lists in `target_models`. Default: the image's
+    /// /usr/share/dspark/drafters, then ./drafters, then the source checkout's drafters/.
+    #[arg(long, env = cenv::DRAFTERS)]
+    drafters: Option<String>,
     /// DSpark drafter checkpoint folder (config.json + model.safetensors), local or remote
     /// like --model. Without it, the model drafters start untrained (random weights).
     #[arg(long = flags::DRAFTER)]
@@ -470,7 +471,7 @@ fn serve(a: ServeArgs) -> Result<()> {
     }
     // Until a shipped drafter is found there is nothing to verify: no policy to profile for.
     let (policy, shipped_drafter) = if chosen && drafter.is_none() {
-        let search = loader::drafter_search_path(Some(&a.drafters));
+        let search = loader::drafter_search_path(a.drafters.as_deref());
         let plain = VerifyPolicy::Fixed { gamma };
         let own_gamma = a.gamma.is_none();
         (

@@ -167,6 +167,9 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         opts.kv_block_size,
         kv.dtype(),
     )?;
+    // The checkpoint speculation runs with, for /ready (None: no drafter, or one without
+    // weights such as n-gram lookup).
+    let mut drafter_path = drafter.as_ref().and(opts.drafter.clone());
     if let (None, Some(auto)) = (&drafter, &opts.shipped_drafter) {
         let names = [model.id.as_str(), model_id.as_str()];
         if let Some((path, kind)) = crate::loader::shipped_drafter(&auto.search, &names) {
@@ -194,6 +197,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
                         "no --speculation: serving with the model's shipped drafter (--speculation none turns it off)"
                     );
                     (engine_cfg.speculation, engine_cfg.policy, drafter) = (kind, policy, d);
+                    drafter_path = Some(path);
                 }
                 Err(e) => tracing::warn!(
                     drafter = %path.display(),
@@ -280,6 +284,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
             .unwrap_or(0),
         ready_details: std::sync::RwLock::new(serde_json::json!({
             "gamma": engine_cfg.policy.gamma(),
+            "drafter": drafter_path.map(|p| p.display().to_string()),
         })),
         experiment,
     });

@@ -16,6 +16,8 @@ use tokenizers::normalizers::{Prepend, Replace};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::{AddedToken, NormalizerWrapper, Tokenizer};
 
 pub struct TextTokenizer {
@@ -31,6 +33,9 @@ pub struct TextTokenizer {
     pub chat_template: Option<String>,
     pub vocab_size: usize,
 }
+
+/// The pre-tokenizer split of Qwen2-family vocabularies (`tokenizer.ggml.pre = "qwen2"`).
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 const END_OF_TURN: &[&str] = &["<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"];
 
@@ -91,7 +96,21 @@ impl TextTokenizer {
                     .and_then(|v| v.to_string().ok().cloned())
                     .unwrap_or_default();
                 let byte_level = ByteLevel::new(false, true, true);
-                if pre == "smollm" || pre == "starcoder" || pre == "refact" {
+                if pre == "qwen2" {
+                    // Qwen2/2.5/3's own split (tokenizer.json and llama.cpp's "qwen2"):
+                    // single digits, letters with one leading non-letter, then byte-level
+                    // mapping without GPT-2's regex.
+                    let split = Split::new(
+                        SplitPattern::Regex(QWEN2_SPLIT.into()),
+                        SplitDelimiterBehavior::Isolated,
+                        false,
+                    )
+                    .map_err(|e| anyhow::anyhow!("cannot build the qwen2 pre-tokenizer: {e}"))?;
+                    tk.with_pre_tokenizer(Some(PreSequence::new(vec![
+                        split.into(),
+                        ByteLevel::new(false, false, false).into(),
+                    ])));
+                } else if pre == "smollm" || pre == "starcoder" || pre == "refact" {
                     tk.with_pre_tokenizer(Some(PreSequence::new(vec![
                         Digits::new(true).into(),
                         byte_level.into(),

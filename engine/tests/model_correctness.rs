@@ -118,9 +118,16 @@ fn gemma3_top1_agrees_with_llama_cpp() {
     check_agreement("Gemma 3", &common::gemma3());
 }
 
+/// The real-size target: Qwen2 (q/k/v biases), Q4_K and Q6_K weights through the packed
+/// K-quant kernels, a 151,936-token vocabulary with the qwen2 pre-tokenizer.
+#[test]
+fn qwen2_5_coder_1_5b_top1_agrees_with_llama_cpp() {
+    check_agreement("Qwen2.5-Coder-1.5B", &common::qwen15());
+}
+
 #[test]
 fn tokenizer_matches_llama_cpp_tokenization() {
-    for path in [common::smollm2(), common::gemma3()] {
+    for path in [common::smollm2(), common::gemma3(), common::qwen15()] {
         let (_, ct) = dspark_engine::model::weights::open_gguf(&path).unwrap();
         let tok = TextTokenizer::from_gguf(&ct).unwrap();
         let reference = common::reference(&path);

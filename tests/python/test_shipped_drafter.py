@@ -155,7 +155,8 @@ PROMPTS = ["def fibonacci(n):", "The three primary colors are", "Question: What 
 
 def test_no_speculation_flag_serves_the_shipped_drafter_losslessly():
     outs = {}
-    for name, args in [("auto", ["--drafters", str(DRAFTER.parent)]),
+    # "auto" gives no --drafters: the default search order finds the checkout's drafters/.
+    for name, args in [("auto", []),
                        ("off", ["--drafters", str(DRAFTER.parent), "--speculation", "none"])]:
         proc, url, _ = serve(args, name)
         try:
@@ -169,8 +170,10 @@ def test_no_speculation_flag_serves_the_shipped_drafter_losslessly():
             assert ready["speculation"] == "dspark-markov", ready
             assert ready["policy"] == "dspark", ready
             assert ready["gamma"] == config()["block_size"], ready
+            assert Path(ready["drafter"]).resolve() == DRAFTER.resolve(), ready
         else:
             assert ready["speculation"] == "none", ready
+            assert ready["drafter"] is None, ready
     assert outs["auto-drafted"] > 0, "the shipped drafter proposed nothing"
     assert outs["off-drafted"] == 0
     assert outs["auto"] == outs["off"], "speculation changed greedy output"

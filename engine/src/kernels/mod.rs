@@ -12,8 +12,8 @@
 //! - [`matmul`]: the tiled, parallel driver.
 //! - [`pool`]: the spinning thread pool the forward's parallel regions run on.
 //! - [`packed`]: kernels on weights repacked one row per 32-bit lane (Q4_0, Q4_1, Q8_0; 8
-//!   rows per vector for AVX2, 16 for AVX-512 VNNI), used when the caller supplies the
-//!   packed copy for the ISA in use.
+//!   rows per vector for AVX2, 16 for AVX-512 VNNI; Q4_K and Q6_K, 16 rows for AVX-512
+//!   VNNI), used when the caller supplies the packed copy for the ISA in use.
 //! - [`vmath`]: vectorised exp, softmax and SwiGLU for the rest of the forward.
 //!
 //! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
@@ -167,9 +167,13 @@ impl<'a> QMatrix<'a> {
         self
     }
 
-    /// The packed copy, when this call will use it.
-    fn packed_for(&self, isa: Isa) -> Option<&'a packed::Packed> {
-        self.packed.filter(|p| p.isa == isa)
+    /// The packed copy, when a call of `m` input rows will use it. K-quants decode one row
+    /// (`m = 1`) from the ggml layout: streaming a real-size model, their one-row kernels
+    /// read memory faster there (Qwen2.5-1.5B Q4_K_M: 15.8 vs 12.3 steps/s, docs/benchmarks.md
+    /// "Session 35"); from two rows on, the packed kernels win (1.6x at 8 rows).
+    fn packed_for(&self, isa: Isa, m: usize) -> Option<&'a packed::Packed> {
+        self.packed
+            .filter(|p| p.isa == isa && (m >= 2 || !p.is_kquant()))
     }
 
     /// `out[m, n] = x[m, k] · Wᵀ` with the best instruction set of this CPU.
@@ -199,8 +203,12 @@ impl<'a> QMatrix<'a> {
         // detected on this CPU); `self.data` holds `n` rows of `self.ty` blocks.
         unsafe {
             #[cfg(target_arch = "x86_64")]
-            if let Some(p) = self.packed_for(isa) {
-                return p.run(&acts.q8, m, j0, j1, out.ptr());
+            if let Some(p) = self.packed_for(isa, m) {
+                return if p.is_kquant() {
+                    p.run_k(&acts.q8k, m, j0, j1, out.ptr())
+                } else {
+                    p.run(&acts.q8, m, j0, j1, out.ptr())
+                };
             }
             let (n, d) = (self.n, self.data);
             match self.ty {
@@ -278,7 +286,7 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
     };
     let shapes: Vec<(usize, usize, usize)> = ws
         .iter()
-        .map(|w| match w.packed_for(isa) {
+        .map(|w| match w.packed_for(isa, m) {
             Some(p) => (w.n, w.row_bytes(), p.lanes()),
             None => (w.n, w.row_bytes(), 1),
         })

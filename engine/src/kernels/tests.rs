@@ -7,7 +7,8 @@
 //!   sums; for Q4_1/Q5_1 the min term uses Q8_1's f16 `s` as ggml does):
 //!   `|y - ref| <= 1e-5 S` (f32 rounding only);
 //! - scalar vs AVX2 (plain and packed) vs AVX-512 VNNI on packed weights (Q4_0/Q4_1/Q8_0
-//!   with n a multiple of 8 or 16, when the CPU has it): `|y_isa - y_scalar| <= 1e-5 S`;
+//!   with n a multiple of 8 or 16, Q4_K/Q6_K with n a multiple of 16, when the CPU has it):
+//!   `|y_isa - y_scalar| <= 1e-5 S`;
 //! - plain f32 reference (unquantised activations):
 //!   `|y - ref| <= sum_l |x_l - q(x_l)| |w_jl| + 2e-3 S`, where `q(x_l)` is the quantised
 //!   activation (|x_l - q(x_l)| <= amax(block)/254, about 0.4% of the block's largest value).
@@ -234,8 +235,14 @@ fn odd_shapes_and_parallel_chunks() {
 #[test]
 fn packed_rows_do_not_depend_on_their_batch() {
     let isa = Isa::detect();
-    for ty in [QType::Q4_0, QType::Q4_1, QType::Q8_0] {
-        let (n, k) = (64, 18 * QK);
+    for ty in [
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q8_0,
+        QType::Q4K,
+        QType::Q6K,
+    ] {
+        let (n, k) = (64, 18 * ty.block_size());
         if !packed::Packed::supports(ty, n, k, isa) {
             eprintln!("{ty:?}: no packed kernel on {isa:?}; nothing to check");
             continue;

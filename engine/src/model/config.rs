@@ -10,6 +10,8 @@ use std::path::Path;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Arch {
     Llama,
+    /// Qwen2 / Qwen2.5: Llama with biases on the q/k/v projections, NEOX RoPE.
+    Qwen2,
     Qwen3,
     Gemma3,
 }
@@ -18,15 +20,22 @@ impl Arch {
     pub fn parse(name: &str) -> Option<Self> {
         match name {
             "llama" | "LlamaForCausalLM" => Some(Arch::Llama),
+            "qwen2" | "Qwen2ForCausalLM" => Some(Arch::Qwen2),
             "qwen3" | "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             "gemma3" | "gemma3_text" | "Gemma3ForCausalLM" => Some(Arch::Gemma3),
             _ => None,
         }
     }
 
+    /// Per-head RMSNorm on queries and keys.
+    pub fn has_qk_norm(&self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
         }
@@ -56,6 +65,8 @@ pub struct ModelConfig {
     pub max_position: usize,
     /// Per-head RMSNorm on queries and keys (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Biases on the q/k/v projections (Qwen2).
+    pub qkv_bias: bool,
     /// Extra norms after attention and after the MLP (Gemma 3).
     pub sandwich_norms: bool,
     /// Multiply embeddings by sqrt(hidden) (Gemma).
@@ -103,7 +114,9 @@ impl ModelConfig {
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Self> {
         let arch_name = md_str(ct, "general.architecture")?;
         let arch = Arch::parse(&arch_name).with_context(|| {
-            format!("unsupported architecture '{arch_name}' (supported: llama, qwen3, gemma3)")
+            format!(
+                "unsupported architecture '{arch_name}' (supported: llama, qwen2, qwen3, gemma3)"
+            )
         })?;
         let p = |k: &str| format!("{arch_name}.{k}");
         let hidden_size = md_usize(ct, &p("embedding_length"))?;
@@ -142,7 +155,8 @@ impl ModelConfig {
             rope_theta,
             rope_local_theta: if gemma { 10_000.0 } else { rope_theta },
             max_position: md_usize(ct, &p("context_length")).unwrap_or(4096),
-            qk_norm: arch != Arch::Llama,
+            qk_norm: arch.has_qk_norm(),
+            qkv_bias: arch == Arch::Qwen2,
             sandwich_norms: gemma,
             scale_embeddings: gemma,
             activation: if gemma {
@@ -176,7 +190,7 @@ impl ModelConfig {
             .or_else(|| c.model_type.as_deref().and_then(Arch::parse))
             .with_context(|| {
                 format!(
-                    "{}: unsupported architecture '{arch_name}' (supported: LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)",
+                    "{}: unsupported architecture '{arch_name}' (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM)",
                     path.display()
                 )
             })?;
@@ -220,7 +234,8 @@ impl ModelConfig {
                 rope_theta
             }),
             max_position: c.max_position_embeddings.unwrap_or(4096),
-            qk_norm: arch != Arch::Llama,
+            qk_norm: arch.has_qk_norm(),
+            qkv_bias: arch == Arch::Qwen2,
             sandwich_norms: gemma,
             scale_embeddings: gemma,
             activation: if gemma {

@@ -1,4 +1,5 @@
-//! The target model: one decoder forward for Llama, Qwen3 and Gemma 3, on any candle device.
+//! The target model: one decoder forward for Llama, Qwen2, Qwen3 and Gemma 3, on any candle
+//! device.
 //!
 //! The model is a pure function of its weights, the new tokens, their positions and a view of
 //! the paged KV cache (each sequence's block table). Many sequences of different lengths run
@@ -231,7 +232,12 @@ impl Model {
                 }
                 None => ops::rms_norm(&x, &w.attn_norm, eps)?,
             };
-            let qkv = linear::forward_many(&[&w.wq, &w.wk, &w.wv], &h)?;
+            let mut qkv = linear::forward_many(&[&w.wq, &w.wk, &w.wv], &h)?;
+            if let Some(b) = &w.qkv_bias {
+                for (y, b) in qkv.iter_mut().zip(b) {
+                    *y = y.broadcast_add(b)?;
+                }
+            }
             let mut q = qkv[0].reshape((t, nh, hd))?;
             let mut k = qkv[1].reshape((t, nkv, hd))?;
             let v = &qkv[2];

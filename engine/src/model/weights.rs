@@ -35,6 +35,8 @@ pub struct LayerWeights {
     pub wk: Linear,
     pub wv: Linear,
     pub wo: Linear,
+    /// Biases of q, k and v (Qwen2), `[q_dim]`, `[kv_dim]`, `[kv_dim]`.
+    pub qkv_bias: Option<[Tensor; 3]>,
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,
     pub post_attn_norm: Option<Tensor>,
@@ -195,12 +197,23 @@ pub fn load_gguf(
                 Ok(None)
             }
         };
+        let b = |s: &str| format!("blk.{i}.{s}.bias");
+        let qkv_bias = if r.has(&b("attn_q")) {
+            Some([
+                r.dense(&b("attn_q"))?,
+                r.dense(&b("attn_k"))?,
+                r.dense(&b("attn_v"))?,
+            ])
+        } else {
+            None
+        };
         layers.push(LayerWeights {
             attn_norm: r.dense(&n("attn_norm"))?,
             wq,
             wk,
             wv: r.linear(&n("attn_v"))?,
             wo: r.linear(&n("attn_output"))?,
+            qkv_bias,
             q_norm: opt(&mut r, "attn_q_norm")?,
             k_norm: opt(&mut r, "attn_k_norm")?,
             post_attn_norm: opt(&mut r, "post_attention_norm")?,
@@ -242,6 +255,25 @@ fn check_layer_flags(path: &Path, cfg: &ModelConfig, layers: &[LayerWeights]) ->
             path.display(),
             cfg.arch.name()
         );
+    }
+    if cfg.qkv_bias && l.qkv_bias.is_none() {
+        bail!(
+            "{}: {} expects q/k/v biases but the file has none",
+            path.display(),
+            cfg.arch.name()
+        );
+    }
+    if let Some(b) = &l.qkv_bias {
+        let want = [cfg.q_dim(), cfg.kv_dim(), cfg.kv_dim()];
+        for (t, (n, w)) in b.iter().zip(["q", "k", "v"].iter().zip(want)) {
+            if t.dims() != [w] {
+                bail!(
+                    "{}: the {n} bias has shape {:?}, expected [{w}]",
+                    path.display(),
+                    t.dims()
+                );
+            }
+        }
     }
     if cfg.sandwich_norms && (l.post_attn_norm.is_none() || l.post_ffn_norm.is_none()) {
         bail!(
@@ -322,12 +354,19 @@ pub fn load_hf(
                 None,
             )
         };
+        let qkv_bias = if has(&format!("{p}.self_attn.q_proj.bias")) {
+            let b = |s: &str| get(&format!("{p}.self_attn.{s}_proj.bias"));
+            Some([b("q")?, b("k")?, b("v")?])
+        } else {
+            None
+        };
         layers.push(LayerWeights {
             attn_norm: norm(&format!("{p}.input_layernorm.weight"))?,
             wq: lin(&format!("{p}.self_attn.q_proj.weight"))?,
             wk: lin(&format!("{p}.self_attn.k_proj.weight"))?,
             wv: lin(&format!("{p}.self_attn.v_proj.weight"))?,
             wo: lin(&format!("{p}.self_attn.o_proj.weight"))?,
+            qkv_bias,
             q_norm: opt_norm("self_attn.q_norm")?,
             k_norm: opt_norm("self_attn.k_norm")?,
             post_attn_norm,

@@ -28,6 +28,11 @@ pub fn gemma3() -> PathBuf {
     model("gemma-3-270m-Q4_K_M.gguf")
 }
 
+/// The real-size target, Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB).
+pub fn qwen15() -> PathBuf {
+    model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+}
+
 pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
     reference_variant(model_file, "", "")
 }

@@ -1,5 +1,6 @@
 //! Weights repacked for SIMD kernels that keep one output row per 32-bit lane (Q4_0, Q4_1,
-//! Q8_0): 8 rows per group for AVX2, 16 for AVX-512 VNNI.
+//! Q8_0: 8 rows per group for AVX2, 16 for AVX-512 VNNI; the K-quants Q4_K and Q6_K: 16 rows
+//! for AVX-512 VNNI, [`kquant`]).
 //!
 //! The ggml layout keeps each row's blocks together, so an x86 dot product reduces 32 lanes
 //! of one block to one number per block, per input row (`maddubs`, `madd`, a float convert,
@@ -31,11 +32,12 @@
 //!
 //! - [`avx2`]: 8 lanes, AVX2 + FMA + F16C.
 //! - [`avx512`]: 16 lanes, AVX-512 F/BW/VL/VNNI.
+//! - [`kquant`]: Q4_K / Q6_K super-blocks, 16 lanes, AVX-512 F/BW/VL/VNNI.
 
 #![allow(clippy::needless_range_loop)]
 
-use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
-use super::q8::Q8Block;
+use super::blocks::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK, QK_K};
+use super::q8::{Q8Block, Q8KBlock};
 use super::{Isa, QType};
 
 /// Dispatches `$m::group::<R, KIND>(args)` over the runtime row count and weight kind: 1..=4
@@ -69,6 +71,7 @@ macro_rules! dispatch {
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod kquant;
 
 /// A weight matrix repacked for one instruction set's kernels.
 pub struct Packed {
@@ -117,7 +120,9 @@ impl Packed {
         let Some(lanes) = lanes(isa) else {
             return false;
         };
-        matches!(ty, QType::Q4_0 | QType::Q4_1 | QType::Q8_0)
+        let kquant = matches!(ty, QType::Q4K | QType::Q6K);
+        (matches!(ty, QType::Q4_0 | QType::Q4_1 | QType::Q8_0)
+            || (kquant && isa == Isa::Avx512Vnni && k.is_multiple_of(QK_K)))
             && n.is_multiple_of(lanes)
             && n > 0
             && k.is_multiple_of(QK)
@@ -131,6 +136,21 @@ impl Packed {
         }
         let lanes = lanes(isa).expect("supported ISAs pack");
         let m = super::QMatrix::new(ty, n, k, data)?;
+        if matches!(ty, QType::Q4K | QType::Q6K) {
+            let nb = k / QK_K;
+            let bb = kquant::block_bytes(ty);
+            let mut out = vec![0u8; n / lanes * nb * bb];
+            for (i, dst) in out.chunks_mut(bb).enumerate() {
+                kquant::pack_block(ty, m.data, nb, i / nb, i % nb, dst);
+            }
+            return Ok(Self {
+                ty,
+                n,
+                k,
+                isa,
+                data: out,
+            });
+        }
         let nb = k / QK;
         let bb = block_bytes(ty, lanes);
         let qb = quant_bytes(ty, lanes);
@@ -184,7 +204,75 @@ impl Packed {
 
     /// Bytes of one group of `lanes` rows.
     fn group_bytes(&self) -> usize {
-        self.k / QK * block_bytes(self.ty, self.lanes())
+        match self.ty {
+            QType::Q4K | QType::Q6K => self.k / QK_K * kquant::block_bytes(self.ty),
+            _ => self.k / QK * block_bytes(self.ty, self.lanes()),
+        }
+    }
+
+    /// Whether the kernels take Q8_K activations ([`Self::run_k`]) rather than Q8_0 ones.
+    pub fn is_kquant(&self) -> bool {
+        matches!(self.ty, QType::Q4K | QType::Q6K)
+    }
+
+    /// [`Self::run`] for the K-quants: `acts` holds `m * k / 256` Q8_K blocks.
+    ///
+    /// # Safety
+    /// As [`Self::run`].
+    #[cfg(target_arch = "x86_64")]
+    pub unsafe fn run_k(&self, acts: &[Q8KBlock], m: usize, j0: usize, j1: usize, out: *mut f32) {
+        // SAFETY: as in `run`: the ISA (AVX-512 VNNI, the only one K-quants pack for) runs
+        // here, columns `j0..j1` of `out` are ours, `acts` (and `mp`, one entry per block)
+        // hold `m * nb` blocks, and each kernel call reads `rows` activation rows and one
+        // packed group and writes `rows` output rows of 16 columns inside that range.
+        unsafe {
+            debug_assert!(self.is_kquant() && self.isa == Isa::Avx512Vnni);
+            let lanes = self.lanes();
+            let nb = self.k / QK_K;
+            assert_eq!(acts.len(), m * nb, "activation blocks");
+            let mp = if self.ty == QType::Q4K {
+                kquant::min_pairs(acts)
+            } else {
+                Vec::new()
+            };
+            let gb = self.group_bytes();
+            let pf = prefetch_distance();
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = (m - r0).min(max_rows(self.isa));
+                let a = &acts[r0 * nb..];
+                let mpr = if mp.is_empty() {
+                    &mp[..]
+                } else {
+                    &mp[r0 * nb..]
+                };
+                for g in j0 / lanes..j1 / lanes {
+                    let w = &self.data[g * gb..(g + 1) * gb];
+                    let o = out.add(r0 * self.n + g * lanes);
+                    use kquant::avx512::{group_q4k, group_q6k};
+                    macro_rules! go {
+                        ($r:literal) => {
+                            if self.ty == QType::Q4K {
+                                group_q4k::<$r>(w, nb, a, mpr, o, self.n, pf)
+                            } else {
+                                group_q6k::<$r>(w, nb, a, o, self.n, pf)
+                            }
+                        };
+                    }
+                    match rows {
+                        8 => go!(8),
+                        7 => go!(7),
+                        6 => go!(6),
+                        5 => go!(5),
+                        4 => go!(4),
+                        3 => go!(3),
+                        2 => go!(2),
+                        _ => go!(1),
+                    }
+                }
+                r0 += rows;
+            }
+        }
     }
 
     /// Output columns `j0..j1` (multiples of the lane count) for all `m` rows of `acts`

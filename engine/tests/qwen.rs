@@ -1,11 +1,12 @@
-//! Qwen3 from a Hugging Face folder and from GGUF, against an independent implementation.
+//! Qwen2 and Qwen3 from a Hugging Face folder and from GGUF, against an independent
+//! implementation.
 //!
-//! No Qwen3 checkpoint can be downloaded on the development machine (no model hub; none is
-//! packaged on PyPI), so the test builds one: a small Qwen3 with random weights (q/k norms,
-//! GQA, untied LM head, NEOX RoPE), written as a Hugging Face folder (config.json +
-//! safetensors) and as a GGUF file with llama.cpp's tensor names and metadata. The reference
-//! is candle-transformers' Qwen3 (`models::qwen3`, written by the candle team from the
-//! Hugging Face code), run on the same folder.
+//! The test builds each family small, with random weights: Qwen3 (q/k norms, GQA, untied LM
+//! head, NEOX RoPE) and Qwen2 (q/k/v biases instead of the norms), written as a Hugging Face
+//! folder (config.json + safetensors) and as GGUF files with llama.cpp's tensor names and
+//! metadata. The reference is candle-transformers' `models::qwen3` / `models::qwen2`
+//! (written by the candle team from the Hugging Face code), run on the same folder. (The real
+//! Qwen2.5-Coder-1.5B GGUF is checked against llama.cpp in model_correctness.rs.)
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
@@ -22,24 +23,47 @@ const INTER: usize = 256;
 const LAYERS: usize = 3;
 const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
-const HEAD_DIM: usize = 64;
 const THETA: f64 = 1_000_000.0;
 const EPS: f64 = 1e-6;
 
-fn config_json() -> serde_json::Value {
+#[derive(Clone, Copy, PartialEq)]
+enum Family {
+    Qwen2,
+    Qwen3,
+}
+
+impl Family {
+    /// Qwen3 sets its own head size; Qwen2's is hidden / heads.
+    fn head_dim(self) -> usize {
+        match self {
+            Family::Qwen2 => HIDDEN / HEADS,
+            Family::Qwen3 => 64,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+        }
+    }
+}
+
+fn config_json(fam: Family) -> serde_json::Value {
+    let head_dim = fam.head_dim();
     serde_json::json!({
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": [match fam { Family::Qwen2 => "Qwen2ForCausalLM", Family::Qwen3 => "Qwen3ForCausalLM" }],
+        "model_type": fam.name(),
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
         "intermediate_size": INTER,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "attention_bias": false,
+        "head_dim": head_dim,
+        "attention_bias": fam == Family::Qwen2,
         "max_position_embeddings": 512,
-        "sliding_window": null,
+        "sliding_window": 4096,
         "max_window_layers": LAYERS,
         "tie_word_embeddings": false,
         "rope_theta": THETA,
@@ -49,8 +73,10 @@ fn config_json() -> serde_json::Value {
     })
 }
 
-/// HF tensor name -> (GGUF name, shape). Norm weights get values around 1.
-fn tensors() -> Vec<(String, String, Vec<usize>)> {
+/// HF tensor name -> (GGUF name, shape). Norm weights get values around 1, biases small
+/// values around 0.
+fn tensors(fam: Family) -> Vec<(String, String, Vec<usize>)> {
+    let hd = fam.head_dim();
     let mut v = vec![
         (
             "model.embed_tokens.weight".to_string(),
@@ -79,40 +105,55 @@ fn tensors() -> Vec<(String, String, Vec<usize>)> {
         v.extend([
             l("input_layernorm", "attn_norm", vec![HIDDEN]),
             l("post_attention_layernorm", "ffn_norm", vec![HIDDEN]),
-            l("self_attn.q_proj", "attn_q", vec![HEADS * HEAD_DIM, HIDDEN]),
-            l(
-                "self_attn.k_proj",
-                "attn_k",
-                vec![KV_HEADS * HEAD_DIM, HIDDEN],
-            ),
-            l(
-                "self_attn.v_proj",
-                "attn_v",
-                vec![KV_HEADS * HEAD_DIM, HIDDEN],
-            ),
-            l(
-                "self_attn.o_proj",
-                "attn_output",
-                vec![HIDDEN, HEADS * HEAD_DIM],
-            ),
-            l("self_attn.q_norm", "attn_q_norm", vec![HEAD_DIM]),
-            l("self_attn.k_norm", "attn_k_norm", vec![HEAD_DIM]),
+            l("self_attn.q_proj", "attn_q", vec![HEADS * hd, HIDDEN]),
+            l("self_attn.k_proj", "attn_k", vec![KV_HEADS * hd, HIDDEN]),
+            l("self_attn.v_proj", "attn_v", vec![KV_HEADS * hd, HIDDEN]),
+            l("self_attn.o_proj", "attn_output", vec![HIDDEN, HEADS * hd]),
             l("mlp.gate_proj", "ffn_gate", vec![INTER, HIDDEN]),
             l("mlp.up_proj", "ffn_up", vec![INTER, HIDDEN]),
             l("mlp.down_proj", "ffn_down", vec![HIDDEN, INTER]),
         ]);
+        match fam {
+            Family::Qwen3 => v.extend([
+                l("self_attn.q_norm", "attn_q_norm", vec![hd]),
+                l("self_attn.k_norm", "attn_k_norm", vec![hd]),
+            ]),
+            Family::Qwen2 => {
+                for (hf, gg, n) in [
+                    ("q_proj", "attn_q", HEADS * hd),
+                    ("k_proj", "attn_k", KV_HEADS * hd),
+                    ("v_proj", "attn_v", KV_HEADS * hd),
+                ] {
+                    v.push((
+                        format!("model.layers.{i}.self_attn.{hf}.bias"),
+                        format!("blk.{i}.{gg}.bias"),
+                        vec![n],
+                    ));
+                }
+            }
+        }
     }
     v
 }
 
+fn md_u32(k: &str, v: usize) -> (&str, gguf_file::Value) {
+    (k, gguf_file::Value::U32(v as u32))
+}
+
+fn md_f32(k: &str, v: f64) -> (&str, gguf_file::Value) {
+    (k, gguf_file::Value::F32(v as f32))
+}
+
 /// Writes the model as an HF folder and as F32 and Q8_0 GGUF files under `dir`.
-fn write_model(dir: &Path) -> HashMap<String, Tensor> {
+fn write_model(fam: Family, dir: &Path) -> HashMap<String, Tensor> {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let dev = Device::Cpu;
     let mut hf = HashMap::new();
-    for (name, _, shape) in tensors() {
+    for (name, _, shape) in tensors(fam) {
         let n: usize = shape.iter().product();
-        let data: Vec<f32> = if shape.len() == 1 {
+        let data: Vec<f32> = if name.ends_with(".bias") {
+            (0..n).map(|_| rng.random_range(-0.5..0.5)).collect()
+        } else if shape.len() == 1 {
             (0..n).map(|_| rng.random_range(0.7..1.3)).collect()
         } else {
             let b = (3.0 / shape[1] as f32).sqrt();
@@ -124,31 +165,44 @@ fn write_model(dir: &Path) -> HashMap<String, Tensor> {
     std::fs::create_dir_all(&hf_dir).unwrap();
     std::fs::write(
         hf_dir.join("config.json"),
-        serde_json::to_string_pretty(&config_json()).unwrap(),
+        serde_json::to_string_pretty(&config_json(fam)).unwrap(),
     )
     .unwrap();
     candle_core::safetensors::save(&hf, hf_dir.join("model.safetensors")).unwrap();
     for (file, dtype) in [("f32.gguf", GgmlDType::F32), ("q8_0.gguf", GgmlDType::Q8_0)] {
-        let u = |k: &'static str, v: usize| (k, gguf_file::Value::U32(v as u32));
-        let f = |k: &'static str, v: f64| (k, gguf_file::Value::F32(v as f32));
+        let a = fam.name();
+        let keys: Vec<String> = [
+            "embedding_length",
+            "feed_forward_length",
+            "block_count",
+            "attention.head_count",
+            "attention.head_count_kv",
+            "attention.key_length",
+            "attention.value_length",
+            "rope.freq_base",
+            "attention.layer_norm_rms_epsilon",
+            "context_length",
+            "vocab_size",
+        ]
+        .iter()
+        .map(|k| format!("{a}.{k}"))
+        .collect();
+        let k = |i: usize| keys[i].as_str();
         let md: Vec<(&str, gguf_file::Value)> = vec![
-            (
-                "general.architecture",
-                gguf_file::Value::String("qwen3".into()),
-            ),
-            u("qwen3.embedding_length", HIDDEN),
-            u("qwen3.feed_forward_length", INTER),
-            u("qwen3.block_count", LAYERS),
-            u("qwen3.attention.head_count", HEADS),
-            u("qwen3.attention.head_count_kv", KV_HEADS),
-            u("qwen3.attention.key_length", HEAD_DIM),
-            u("qwen3.attention.value_length", HEAD_DIM),
-            f("qwen3.rope.freq_base", THETA),
-            f("qwen3.attention.layer_norm_rms_epsilon", EPS),
-            u("qwen3.context_length", 512),
-            u("qwen3.vocab_size", VOCAB),
+            ("general.architecture", gguf_file::Value::String(a.into())),
+            md_u32(k(0), HIDDEN),
+            md_u32(k(1), INTER),
+            md_u32(k(2), LAYERS),
+            md_u32(k(3), HEADS),
+            md_u32(k(4), KV_HEADS),
+            md_u32(k(5), fam.head_dim()),
+            md_u32(k(6), fam.head_dim()),
+            md_f32(k(7), THETA),
+            md_f32(k(8), EPS),
+            md_u32(k(9), 512),
+            md_u32(k(10), VOCAB),
         ];
-        let qts: Vec<(String, QTensor)> = tensors()
+        let qts: Vec<(String, QTensor)> = tensors(fam)
             .into_iter()
             .map(|(h, g, shape)| {
                 // Norms stay f32 (as in real files); matrices in the file's type.
@@ -169,9 +223,13 @@ fn write_model(dir: &Path) -> HashMap<String, Tensor> {
 }
 
 /// Logits of every position from candle-transformers' Qwen3.
-fn reference(dir: &Path, hf: &HashMap<String, Tensor>, tokens: &[u32]) -> Vec<Vec<f32>> {
-    use candle_transformers::models::qwen3;
-    let cfg: qwen3::Config = serde_json::from_value(config_json()).unwrap();
+fn reference(
+    fam: Family,
+    dir: &Path,
+    hf: &HashMap<String, Tensor>,
+    tokens: &[u32],
+) -> Vec<Vec<f32>> {
+    use candle_transformers::models::{qwen2, qwen3};
     let vb = unsafe {
         candle_nn::VarBuilder::from_mmaped_safetensors(
             &[dir.join("hf/model.safetensors")],
@@ -180,12 +238,21 @@ fn reference(dir: &Path, hf: &HashMap<String, Tensor>, tokens: &[u32]) -> Vec<Ve
         )
         .unwrap()
     };
-    let mut m = qwen3::Model::new(&cfg, vb).unwrap();
     let ids = Tensor::new(tokens, &Device::Cpu)
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let h = m.forward(&ids, 0).unwrap().squeeze(0).unwrap();
+    let h = match fam {
+        Family::Qwen3 => {
+            let cfg: qwen3::Config = serde_json::from_value(config_json(fam)).unwrap();
+            qwen3::Model::new(&cfg, vb).unwrap().forward(&ids, 0)
+        }
+        Family::Qwen2 => {
+            let cfg: qwen2::Config = serde_json::from_value(config_json(fam)).unwrap();
+            qwen2::Model::new(&cfg, vb).unwrap().forward(&ids, 0, None)
+        }
+    };
+    let h = h.unwrap().squeeze(0).unwrap();
     h.matmul(&hf["lm_head.weight"].t().unwrap())
         .unwrap()
         .to_vec2()
@@ -207,13 +274,12 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-#[test]
-fn qwen3_hf_folder_and_gguf_match_candle_transformers() {
-    let dir = std::env::temp_dir().join(format!("dspark-qwen3-{}", std::process::id()));
-    let hf = write_model(&dir);
+fn check_family(fam: Family) {
+    let dir = std::env::temp_dir().join(format!("dspark-{}-{}", fam.name(), std::process::id()));
+    let hf = write_model(fam, &dir);
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let tokens: Vec<u32> = (0..70).map(|_| rng.random_range(0..VOCAB as u32)).collect();
-    let want = reference(&dir, &hf, &tokens);
+    let want = reference(fam, &dir, &hf, &tokens);
     let scale = want.iter().flatten().map(|v| v.abs()).fold(0.0, f32::max);
     let from_hf = ours(&dir.join("hf"), &tokens);
     let from_f32 = ours(&dir.join("f32.gguf"), &tokens);
@@ -230,7 +296,8 @@ fn qwen3_hf_folder_and_gguf_match_candle_transformers() {
         .filter(|(a, b)| **a == *b)
         .count();
     println!(
-        "Qwen3 vs candle-transformers over {} positions (logit scale {scale:.2}): max |diff| HF folder {d_hf:.2e}, F32 GGUF {d_f32:.2e}, Q8_0 GGUF {d_q8:.2e} (top-1 {agree_q8}/{})",
+        "{} vs candle-transformers over {} positions (logit scale {scale:.2}): max |diff| HF folder {d_hf:.2e}, F32 GGUF {d_f32:.2e}, Q8_0 GGUF {d_q8:.2e} (top-1 {agree_q8}/{})",
+        fam.name(),
         tokens.len(),
         tokens.len()
     );
@@ -246,4 +313,16 @@ fn qwen3_hf_folder_and_gguf_match_candle_transformers() {
     assert!(d_q8 <= 0.05 * scale.max(1.0), "Q8_0 GGUF differs by {d_q8}");
     assert!(agree_q8 * 10 >= tokens.len() * 9, "Q8_0 top-1 {agree_q8}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn qwen3_hf_folder_and_gguf_match_candle_transformers() {
+    check_family(Family::Qwen3);
+}
+
+/// Qwen2's q/k/v biases, from both formats. (The unsupported-architecture message is
+/// tested in model_correctness.rs.)
+#[test]
+fn qwen2_hf_folder_and_gguf_match_candle_transformers() {
+    check_family(Family::Qwen2);
 }
