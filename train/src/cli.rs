@@ -102,6 +102,15 @@ pub struct TrainArgs {
     /// Also add the last context feature to every block row's input (EAGLE-style).
     #[arg(long)]
     pub context_input: bool,
+    /// Width of the drafter layers' MLP (default: the target's). A real-size target's
+    /// (8,960 for Qwen2.5-1.5B) makes the layer 47M parameters; a narrower one trains on a
+    /// CPU and drafts for a few percent of a target step.
+    #[arg(long, default_value_t = 0)]
+    pub intermediate: usize,
+    /// Start the drafter layer from the target's last layer (attention, norms and the
+    /// strongest --intermediate MLP neurons) instead of random weights.
+    #[arg(long)]
+    pub init_from_target: bool,
     #[arg(long)]
     pub threads: Option<usize>,
     /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
@@ -241,6 +250,8 @@ pub fn run_train(a: TrainArgs) -> Result<()> {
         },
         init: a.init.clone(),
         context_input: a.context_input,
+        intermediate: a.intermediate,
+        init_from_target: a.init_from_target,
     };
     let pb = bar(
         tc.steps as u64,

@@ -38,6 +38,11 @@ pub struct Prompt {
     /// Rendered with the model's chat template (default) or fed raw.
     #[serde(default = "yes")]
     pub chat: bool,
+    /// Teacher-forced text (`"forced": true`, raw): nothing is generated; the whole text is
+    /// fed and the target's distribution kept at every position, so real text (source
+    /// code, prose) trains the drafter at the cost of a prefill.
+    #[serde(default)]
+    pub forced: bool,
 }
 
 fn yes() -> bool {
@@ -66,14 +71,17 @@ pub fn read_prompts(path: &Path) -> Result<Vec<Prompt>> {
                 domain: "code".into(),
                 prompt: format!("Complete this Python function.\n\n```python\n{prompt}```"),
                 chat: true,
+                forced: false,
             });
             continue;
         }
         out.push(Prompt {
             id: s("id").unwrap_or_else(|| format!("{i}")),
             domain: s("domain").unwrap_or_else(|| "other".into()),
+            forced: v.get("forced").and_then(|x| x.as_bool()).unwrap_or(false),
+            chat: v.get("chat").and_then(|x| x.as_bool()).unwrap_or(true)
+                && !v.get("forced").and_then(|x| x.as_bool()).unwrap_or(false),
             prompt,
-            chat: v.get("chat").and_then(|x| x.as_bool()).unwrap_or(true),
         });
     }
     ensure!(!out.is_empty(), "{} has no prompts", path.display());
@@ -208,8 +216,77 @@ struct Gen {
     done: bool,
 }
 
+/// Rows fed per forward of a teacher-forced text (its logits are `rows x vocab` floats).
+const FORCED_CHUNK: usize = 128;
+
+/// A teacher-forced text ([`Prompt::forced`]): fed in chunks of [`FORCED_CHUNK`] with the
+/// target's hidden states and top-k at every position. The sequence's "prompt" is its first
+/// token, so every later position can anchor a block; its last token is the target's greedy
+/// continuation (fed by nobody, as in generated sequences).
+fn teacher_force(
+    model: &Model,
+    tok: &TextTokenizer,
+    p: &Prompt,
+    opts: &GenOptions,
+    max_len: usize,
+) -> Result<Sequence> {
+    let mut tokens = encode_prompt(tok, model, p)?;
+    tokens.truncate(max_len.min(model.max_context() - 1));
+    ensure!(tokens.len() >= 2, "{}: text of fewer than 2 tokens", p.id);
+    let n = tokens.len();
+    let bytes = (n + 32) * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
+    let mut kv = KvCache::new(
+        model.cfg.num_layers,
+        model.cfg.kv_dim(),
+        bytes,
+        16,
+        &model.device,
+    )?;
+    let mut table = Vec::new();
+    ensure!(
+        kv.ensure(&mut table, n),
+        "teacher-forcing KV cache too small"
+    );
+    let (mut feats, mut topk_ids, mut topk_p) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last = 0;
+    for start in (0..n).step_by(FORCED_CHUNK) {
+        let end = (start + FORCED_CHUNK).min(n);
+        let fwd = model.forward(
+            &[SeqBatch {
+                tokens: tokens[start..end].to_vec(),
+                start_pos: start,
+                block_table: table.clone(),
+                num_logits: end - start,
+            }],
+            &mut kv,
+            &opts.target_layers,
+        )?;
+        feats.push(Tensor::cat(&fwd.hidden, 1)?.to_dtype(DType::F16)?);
+        for l in fwd.logits.to_vec2::<f32>()? {
+            let (ids, pr) = topk_probs(&l, opts.topk);
+            topk_ids.extend_from_slice(&ids);
+            topk_p.extend_from_slice(&pr);
+            last = dspark_engine::model::argmax(&l);
+        }
+    }
+    tokens.push(last);
+    Ok(Sequence {
+        meta: SeqMeta {
+            id: p.id.clone(),
+            domain: p.domain.clone(),
+            prompt_len: 1,
+            fed: n,
+        },
+        tokens,
+        feats: Tensor::cat(&feats, 0)?,
+        topk_ids,
+        topk_p,
+    })
+}
+
 /// Greedy generation of `prompts` with their hidden states and top-k distributions,
-/// `batch` sequences per forward. `progress(done_tokens)` is called after every step.
+/// `batch` sequences per forward (teacher-forced texts one at a time, up to
+/// `max_new_tokens * 4` tokens each). `progress(done_tokens)` is called after every step.
 pub fn generate(
     model: &Model,
     tok: &TextTokenizer,
@@ -225,6 +302,14 @@ pub fn generate(
     );
     let mut out = Vec::with_capacity(prompts.len());
     let mut produced = 0;
+    let (forced, prompts): (Vec<&Prompt>, Vec<&Prompt>) = prompts.iter().partition(|p| p.forced);
+    let prompts: Vec<Prompt> = prompts.into_iter().cloned().collect();
+    for p in forced {
+        let s = teacher_force(model, tok, p, opts, opts.max_new_tokens * 4)?;
+        produced += s.meta.fed;
+        out.push(s);
+        progress(produced);
+    }
     for chunk in prompts.chunks(opts.batch.max(1)) {
         let encoded = chunk
             .iter()

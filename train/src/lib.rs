@@ -69,6 +69,16 @@ pub struct TrainConfig {
     /// initialisation (fresh optimiser and schedule). Its architecture must match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<std::path::PathBuf>,
+    /// Width of the drafter layers' MLP (0: the target's).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub intermediate: usize,
+    /// Start every drafter layer from the target's last layer ([`init_from_target`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub init_from_target: bool,
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -167,6 +177,9 @@ pub fn new_config(target: &Model, ds: &Dataset, tc: &TrainConfig) -> DSparkConfi
     cfg.markov_rank = tc.rank;
     cfg.context_input = tc.context_input;
     cfg.target_layer_ids = ds.meta.target_layers.clone();
+    if tc.intermediate > 0 {
+        cfg.intermediate_size = tc.intermediate;
+    }
     if tc.draft_vocab > 0 && tc.draft_vocab < target.cfg.vocab_size {
         cfg.draft_vocab = Some(ds.draft_vocab(tc.draft_vocab));
     }
@@ -225,6 +238,86 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
     DSparkDrafter::from_tensors(target, want, tensors, DType::F32)
 }
 
+/// A random drafter whose layers start as the target's last layer: attention projections
+/// (q/k/v biases dropped: the drafter has none) and norms as they are, and of the MLP the
+/// `intermediate_size` neurons with the largest `|gate_i| * |up_i| * |down_:,i|` (all of them
+/// when the widths match). The drafter reads the target's own hidden states, so its one
+/// layer starts as a copy of the layer that maps them to the next token's state; training
+/// starts from a working transformer block instead of noise (q/k norms, which Llama and Qwen2
+/// targets lack, start at 1).
+pub fn init_from_target(target: &Model, cfg: DSparkConfig, seed: u64) -> Result<DSparkDrafter> {
+    let random = DSparkDrafter::random(target, cfg.clone(), seed)?;
+    let mut tensors: HashMap<String, Tensor> = random
+        .tensors()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let last = target
+        .weights
+        .layers
+        .last()
+        .context("the target has no layers")?;
+    let dense = |l: &dspark_engine::model::Linear| -> Result<Tensor> {
+        Ok(match &**l {
+            candle_core::quantized::QMatMul::QTensor(q) => q.dequantize(&target.device)?,
+            candle_core::quantized::QMatMul::Tensor(t)
+            | candle_core::quantized::QMatMul::TensorF16(t) => t.to_dtype(DType::F32)?,
+        })
+    };
+    let (gate, up, down) = (dense(&last.gate)?, dense(&last.up)?, dense(&last.down)?);
+    let inter = cfg.intermediate_size;
+    let keep: Vec<u32> = if inter >= gate.dim(0)? {
+        (0..gate.dim(0)? as u32).collect()
+    } else {
+        let norm = |t: &Tensor, dim: usize| -> Result<Vec<f32>> {
+            Ok(t.sqr()?.sum(dim)?.sqrt()?.to_vec1::<f32>()?)
+        };
+        let (g, u, d) = (norm(&gate, 1)?, norm(&up, 1)?, norm(&down, 0)?);
+        let mut idx: Vec<u32> = (0..g.len() as u32).collect();
+        let score = |i: u32| g[i as usize] * u[i as usize] * d[i as usize];
+        idx.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+        idx.truncate(inter);
+        idx.sort_unstable();
+        idx
+    };
+    let keep = Tensor::new(keep.as_slice(), &target.device)?;
+    for i in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("layers.{i}.{s}.weight");
+        let mut set = |name: String, t: Tensor| -> Result<()> {
+            let want = tensors
+                .get(&name)
+                .with_context(|| format!("drafter has no {name}"))?
+                .dims()
+                .to_vec();
+            ensure!(
+                t.dims() == want,
+                "{name}: target gives {:?}, drafter needs {want:?}",
+                t.dims()
+            );
+            tensors.insert(name, t);
+            Ok(())
+        };
+        set(p("input_layernorm"), last.attn_norm.clone())?;
+        set(p("post_attention_layernorm"), last.ffn_norm.clone())?;
+        set(p("self_attn.q_proj"), dense(&last.wq)?)?;
+        set(p("self_attn.k_proj"), dense(&last.wk)?)?;
+        set(p("self_attn.v_proj"), dense(&last.wv)?)?;
+        set(p("self_attn.o_proj"), dense(&last.wo)?)?;
+        if let (Some(qn), Some(kn)) = (&last.q_norm, &last.k_norm) {
+            set(p("self_attn.q_norm"), qn.clone())?;
+            set(p("self_attn.k_norm"), kn.clone())?;
+        }
+        set(p("mlp.gate_proj"), gate.index_select(&keep, 0)?)?;
+        set(p("mlp.up_proj"), up.index_select(&keep, 0)?)?;
+        set(p("mlp.down_proj"), down.index_select(&keep, 1)?)?;
+    }
+    // bf16-exact, as `random` makes them (save + load reproduce the run).
+    for t in tensors.values_mut() {
+        *t = t.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+    }
+    DSparkDrafter::from_tensors(target, cfg, tensors, DType::BF16)
+}
+
 /// Trains (or resumes) a drafter in `out`.
 pub fn train(
     target: &Model,
@@ -256,6 +349,7 @@ pub fn train(
     } else {
         let cfg = new_config(target, ds, tc);
         let d = match &tc.init {
+            None if tc.init_from_target => init_from_target(target, cfg, tc.seed)?,
             None => DSparkDrafter::random(target, cfg, tc.seed)?,
             Some(dir) => warm_start(target, cfg, dir)?,
         };

@@ -123,6 +123,66 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
         },
         init: None,
         context_input: false,
+        intermediate: 0,
+        init_from_target: false,
+    }
+}
+
+/// `--init-from-target`: the drafter layer starts as the target's last layer, attention and
+/// norms exactly (up to bf16), the MLP as the strongest neurons when narrower; training from
+/// it works and is recorded in the run's settings.
+#[test]
+fn init_from_target_copies_the_last_layer() {
+    let target = dspark_engine::testutil::tiny_target();
+    let ds = synthetic_dataset(&target, &[0, 1], 6, 24);
+    let last = target.weights.layers.last().unwrap();
+    let dense = |l: &dspark_engine::model::Linear| match &**l {
+        candle_core::quantized::QMatMul::QTensor(q) => q.dequantize(&Device::Cpu).unwrap(),
+        candle_core::quantized::QMatMul::Tensor(t)
+        | candle_core::quantized::QMatMul::TensorF16(t) => t.clone(),
+    };
+    let full = target.cfg.intermediate_size;
+    for inter in [0, full / 2] {
+        let tc = TrainConfig {
+            intermediate: inter,
+            init_from_target: true,
+            ..train_config(HeadKind::Markov, 1)
+        };
+        let cfg = new_config(&target, &ds, &tc);
+        assert_eq!(cfg.intermediate_size, if inter == 0 { full } else { inter });
+        let d = init_from_target(&target, cfg.clone(), 1).unwrap();
+        let t = d.tensors();
+        let bf = |x: &Tensor| {
+            x.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let got = |n: &str| bf(&t[&format!("layers.0.{n}.weight")]);
+        assert_eq!(got("self_attn.q_proj"), bf(&dense(&last.wq)));
+        assert_eq!(got("self_attn.o_proj"), bf(&dense(&last.wo)));
+        assert_eq!(got("input_layernorm"), bf(&last.attn_norm));
+        let gate = dense(&last.gate);
+        let g = t["layers.0.mlp.gate_proj.weight"].clone();
+        assert_eq!(g.dims(), &[cfg.intermediate_size, target.cfg.hidden_size]);
+        // Every kept gate row is one of the target's rows, in the target's order.
+        let rows = gate.to_vec2::<f32>().unwrap();
+        let mut at = 0;
+        for r in g.to_vec2::<f32>().unwrap() {
+            let i = (at..rows.len())
+                .find(|&i| bf(&Tensor::new(rows[i].as_slice(), &Device::Cpu).unwrap()) == r)
+                .expect("a target row, in order");
+            at = i + 1;
+        }
+        // And it trains (the settings are stored with the run).
+        let out = scratch_dir(&format!("init-target-{inter}"));
+        let st = train(&target, &ds, &tc, &out, 1, &mut |_| {}).unwrap();
+        assert!(st.config.init_from_target && st.config.intermediate == inter);
+        std::fs::remove_dir_all(out).ok();
     }
 }
 
