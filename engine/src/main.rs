@@ -202,6 +202,10 @@ struct ServeArgs {
     /// shares of it, the default giving its defaults): past it, 400 naming this limit.
     #[arg(long, env = "DSPARK_MAX_GRAMMAR_WORK", default_value_t = dspark_engine::server::DEFAULT_MAX_GRAMMAR_WORK)]
     max_grammar_work: u64,
+    /// Seconds the engine may make no progress while requests are queued or running before
+    /// /health and /ready fail (the liveness probe then restarts the pod).
+    #[arg(long, env = "DSPARK_ENGINE_STALL_SECS", default_value_t = dspark_engine::server::DEFAULT_ENGINE_STALL_SECS)]
+    engine_stall_secs: u64,
     /// Drafter for speculative decoding: none | ngram (prompt lookup) | parallel (DFlash
     /// baseline) | dspark-markov | dspark-rnn. Default: the head of --drafter when given, else
     /// the model's shipped drafter when --drafters holds one (with --policy dspark unless
@@ -545,6 +549,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         let limits = dspark_engine::server::Limits {
             max_request_bytes: a.max_request_bytes,
             max_grammar_work: a.max_grammar_work,
+            engine_stall: Duration::from_secs(a.engine_stall_secs.max(1)),
         };
         let app = router_with(state.clone(), limits);
         let server = tokio::spawn(async move { axum::serve(listener, app).await });

@@ -1670,3 +1670,71 @@ fn a_dead_engine_fails_probes_and_requests() {
         "{e}"
     );
 }
+
+/// An engine that makes no progress while requests wait (a step that hangs, injected)
+/// fails `/health` and `/ready` after `--engine-stall-secs`, and passes them again once it
+/// moves; the waiting request then completes.
+#[test]
+fn a_stalled_engine_fails_the_probes_until_it_moves() {
+    use dspark_engine::server::{router_with, Limits};
+    let faults = dspark_engine::engine::Faults::default();
+    let s = common::serve(router_with(
+        start_state(
+            EngineConfig {
+                faults: faults.clone(),
+                ..Default::default()
+            },
+            64,
+            None,
+        ),
+        Limits {
+            engine_stall: Duration::from_millis(300),
+            ..Default::default()
+        },
+    ));
+    let probe = |path: &str| {
+        client()
+            .get(format!("{}{path}", s.base))
+            .send()
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    let until = |path: &str, code: u16| {
+        let t = std::time::Instant::now();
+        while probe(path) != code {
+            assert!(t.elapsed() < Duration::from_secs(60), "{path} never {code}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    assert_eq!(probe("/health"), 200);
+    faults.stall_steps(true);
+    let base = s.base.clone();
+    let req = std::thread::spawn(move || {
+        post(
+            &base,
+            "/v1/completions",
+            json!({"model": "default", "prompt": "Hello", "max_tokens": 3}),
+        )
+    });
+    until("/health", 503);
+    let r: Value = client()
+        .get(format!("{}/ready", s.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(r["status"], "engine_stalled", "{r}");
+    assert!(
+        r["engine_error"]
+            .as_str()
+            .unwrap()
+            .contains("--engine-stall-secs"),
+        "{r}"
+    );
+    faults.stall_steps(false);
+    let (code, r) = req.join().unwrap();
+    assert_eq!(code, 200, "{r}");
+    until("/health", 200);
+    assert_eq!(probe("/ready"), 200);
+}

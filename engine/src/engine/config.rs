@@ -38,6 +38,7 @@ pub struct EngineConfig {
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     panic_next_step: Arc<AtomicBool>,
+    stall: Arc<AtomicBool>,
 }
 
 impl Faults {
@@ -48,6 +49,15 @@ impl Faults {
 
     pub(super) fn take_panic(&self) -> bool {
         self.panic_next_step.swap(false, Ordering::SeqCst)
+    }
+
+    /// While `on`, every step that has work hangs (the engine makes no progress).
+    pub fn stall_steps(&self, on: bool) {
+        self.stall.store(on, Ordering::SeqCst);
+    }
+
+    pub(super) fn stalled(&self) -> bool {
+        self.stall.load(Ordering::SeqCst)
     }
 }
 

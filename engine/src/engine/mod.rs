@@ -65,6 +65,8 @@ pub struct Engine {
     experiment: Option<Experiment>,
     /// Shared with the handles: set when the thread dies.
     failed: Arc<std::sync::OnceLock<String>>,
+    /// Shared with the handles: when the loop last went round.
+    beat: Arc<request::Heartbeat>,
 }
 
 impl Engine {
@@ -80,12 +82,14 @@ impl Engine {
         let waiting = Arc::new(AtomicUsize::new(0));
         let running = Arc::new(AtomicUsize::new(0));
         let failed = Arc::new(std::sync::OnceLock::new());
+        let beat = Arc::new(request::Heartbeat::new());
         let handle = EngineHandle {
             tx,
             waiting: waiting.clone(),
             running: running.clone(),
             max_waiting: cfg.max_waiting,
             failed: failed.clone(),
+            beat: beat.clone(),
         };
         let mut engine = Self {
             model,
@@ -109,6 +113,7 @@ impl Engine {
             next_id: 0,
             experiment: None,
             failed,
+            beat,
         };
         if engine.cfg.prefix_cache {
             engine.kv.enable_prefix_cache("target");
@@ -178,6 +183,7 @@ impl Engine {
 
     fn serve(&mut self) {
         loop {
+            self.beat.beat();
             if self.running.is_empty() && self.waiting.is_empty() {
                 match self.rx.recv_timeout(Duration::from_millis(50)) {
                     Ok(r) => self.enqueue(r),
@@ -293,6 +299,10 @@ impl Engine {
         }
         if self.cfg.faults.take_panic() {
             panic!("injected fault (test only): the step panics");
+        }
+        while self.cfg.faults.stalled() {
+            // Injected fault (test only): the step hangs until the test lets it go.
+            std::thread::sleep(Duration::from_millis(5));
         }
         let loads: Vec<Load> = self
             .running

@@ -86,6 +86,34 @@ pub struct EngineHandle {
     pub max_waiting: usize,
     /// Set once when the engine thread dies (a panic in a step): why.
     pub(super) failed: Arc<std::sync::OnceLock<String>>,
+    /// When the engine loop last went round.
+    pub(super) beat: Arc<Heartbeat>,
+}
+
+/// When the engine loop last went round (it does at least every 50 ms when idle, once per
+/// step when busy).
+pub(super) struct Heartbeat {
+    epoch: Instant,
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Heartbeat {
+    pub(super) fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            last_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn beat(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, Ordering::SeqCst);
+    }
+
+    fn since(&self) -> std::time::Duration {
+        let last = std::time::Duration::from_millis(self.last_ms.load(Ordering::SeqCst));
+        self.epoch.elapsed().saturating_sub(last)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +129,14 @@ impl EngineHandle {
     /// and new requests).
     pub fn failure(&self) -> Option<String> {
         self.failed.get().cloned()
+    }
+
+    /// How long the engine has made no progress, when that is longer than `after` while
+    /// requests are queued or running (the server then fails `/health` and `/ready`).
+    pub fn stalled(&self, after: std::time::Duration) -> Option<std::time::Duration> {
+        let busy = self.waiting.load(Ordering::SeqCst) + self.running.load(Ordering::SeqCst) > 0;
+        let since = self.beat.since();
+        (busy && since > after).then_some(since)
     }
 
     pub fn submit(&self, req: GenRequest) -> Result<(), SubmitError> {

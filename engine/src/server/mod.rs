@@ -24,7 +24,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use error::ApiError;
 use openai::*;
 use serde_json::{json, Value};
@@ -68,18 +68,24 @@ pub struct Limits {
     /// Work units (schema nodes and grammar symbols) the analysis and compilation of one
     /// request's structured-output constraint may spend (`--max-grammar-work`): past it, 400.
     pub max_grammar_work: u64,
+    /// How long the engine may make no progress while requests are queued or running
+    /// before `/health` and `/ready` fail (`--engine-stall-secs`).
+    pub engine_stall: std::time::Duration,
 }
 
 /// `--max-request-bytes` by default: 2 MiB (axum's own default limit).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
 /// `--max-grammar-work` by default.
 pub const DEFAULT_MAX_GRAMMAR_WORK: u64 = 1_000_000;
+/// `--engine-stall-secs` by default: far longer than any step.
+pub const DEFAULT_ENGINE_STALL_SECS: u64 = 120;
 
 impl Default for Limits {
     fn default() -> Self {
         Self {
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
             max_grammar_work: DEFAULT_MAX_GRAMMAR_WORK,
+            engine_stall: std::time::Duration::from_secs(DEFAULT_ENGINE_STALL_SECS),
         }
     }
 }
@@ -183,14 +189,30 @@ async fn limit_body(
     .await
 }
 
-/// Liveness: 200 while the engine thread runs; 503 once it has died (a panic in a step),
-/// so that the liveness probe restarts the pod.
-async fn health(State(st): State<Arc<AppState>>) -> Response {
-    match st.engine.failure() {
+/// Why the engine is out of service: it died (a panic in a step), or it has made no
+/// progress for longer than `--engine-stall-secs` while requests wait.
+fn engine_down(st: &AppState, limits: &Limits) -> Option<(&'static str, String)> {
+    if let Some(why) = st.engine.failure() {
+        return Some(("engine_failed", format!("the engine has stopped: {why}")));
+    }
+    st.engine.stalled(limits.engine_stall).map(|d| {
+        (
+            "engine_stalled",
+            format!(
+                "the engine has made no progress for {:.1} s with requests waiting (limit {} s, --engine-stall-secs)",
+                d.as_secs_f64(),
+                limits.engine_stall.as_secs_f64()
+            ),
+        )
+    })
+}
+
+/// Liveness: 200 while the engine thread runs and makes progress; 503 once it has died or
+/// stalled, so that the liveness probe restarts the pod.
+async fn health(State(st): State<Arc<AppState>>, Extension(limits): Extension<Limits>) -> Response {
+    match engine_down(&st, &limits) {
         None => "ok".into_response(),
-        Some(why) => {
-            ApiError::unavailable(format!("the engine has stopped: {why}")).into_response()
-        }
+        Some((_, why)) => ApiError::unavailable(why).into_response(),
     }
 }
 
@@ -217,7 +239,7 @@ async fn experiment(State(st): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn ready(State(st): State<Arc<AppState>>) -> Response {
+async fn ready(State(st): State<Arc<AppState>>, Extension(limits): Extension<Limits>) -> Response {
     let ct = st.costs.current();
     let mut body = json!({
         "status": if st.draining.load(Ordering::SeqCst) { "draining" } else { "ready" },
@@ -242,9 +264,9 @@ async fn ready(State(st): State<Arc<AppState>>) -> Response {
             }
         }
     }
-    let failure = st.engine.failure();
-    if let (Some(why), Some(b)) = (&failure, body.as_object_mut()) {
-        b.insert("status".into(), json!("engine_failed"));
+    let failure = engine_down(&st, &limits);
+    if let (Some((status, why)), Some(b)) = (&failure, body.as_object_mut()) {
+        b.insert("status".into(), json!(status));
         b.insert("engine_error".into(), json!(why));
     }
     let code = if st.draining.load(Ordering::SeqCst) || failure.is_some() {
