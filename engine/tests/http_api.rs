@@ -431,11 +431,11 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     let b1 = s.base.clone();
     let l1 = long.clone();
     let h1 = std::thread::spawn(move || post(&b1, "/v1/completions", l1).0);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_ready(&s.base, "requests_running", 1);
     let b2 = s.base.clone();
     let l2 = long.clone();
     let h2 = std::thread::spawn(move || post(&b2, "/v1/completions", l2).0);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_ready(&s.base, "requests_waiting", 1);
     let r = client()
         .post(format!("{}/v1/completions", s.base))
         .json(&long)
@@ -958,7 +958,8 @@ fn a_cancelled_request_leaves_the_cache_consistent() {
     let mut buf = [0u8; 512];
     let _ = r.read(&mut buf).unwrap();
     drop(r);
-    std::thread::sleep(Duration::from_millis(300));
+    // The engine notices the hang-up at its next step and drops the sequence.
+    wait_idle(&s.base);
     let (_, got) = post(&s.base, "/v1/chat/completions", body);
     assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
     let m = metrics_text(&s);
@@ -1582,8 +1583,8 @@ fn schema_analysis_is_bounded() {
     );
 }
 
-/// Polls `/ready` until `requests_running` reaches `n`.
-fn wait_running(base: &str, n: u64) {
+/// Polls `/ready` until nothing runs or waits.
+fn wait_idle(base: &str) {
     let t = std::time::Instant::now();
     loop {
         let r: Value = client()
@@ -1592,14 +1593,38 @@ fn wait_running(base: &str, n: u64) {
             .unwrap()
             .json()
             .unwrap();
-        if r["requests_running"].as_u64().unwrap_or(0) >= n {
+        if r["requests_running"] == 0 && r["requests_waiting"] == 0 {
+            return;
+        }
+        assert!(t.elapsed() < Duration::from_secs(120), "never idle: {r}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Polls `/ready` until `requests_running` reaches `n`.
+fn wait_running(base: &str, n: u64) {
+    wait_ready(base, "requests_running", n)
+}
+
+/// Polls `/ready` until its count `field` reaches `n` (what a test waits for instead of
+/// sleeping).
+fn wait_ready(base: &str, field: &str, n: u64) {
+    let t = std::time::Instant::now();
+    loop {
+        let r: Value = client()
+            .get(format!("{base}/ready"))
+            .send()
+            .unwrap()
+            .json()
+            .unwrap();
+        if r[field].as_u64().unwrap_or(0) >= n {
             return;
         }
         assert!(
             t.elapsed() < Duration::from_secs(120),
-            "never {n} running: {r}"
+            "{field} never reached {n}: {r}"
         );
-        std::thread::yield_now();
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
