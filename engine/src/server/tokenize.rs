@@ -65,7 +65,10 @@ pub(super) async fn detokenize(
     }
     let vocab = st.tok.vocab_size;
     let ids = super::generate::token_ids(&req.tokens, vocab, "tokens", "")?;
-    Ok(Json(DetokenizeResponse {
-        prompt: st.tok.decode(&ids, false),
-    }))
+    // Off the async runtime: a body of a million ids takes a while to decode.
+    let st2 = st.clone();
+    let prompt = tokio::task::spawn_blocking(move || st2.tok.decode(&ids, false))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(Json(DetokenizeResponse { prompt }))
 }
