@@ -1368,9 +1368,10 @@ fn null_message_content_is_a_400_naming_the_field() {
 }
 
 /// A forced call (`required` with one tool, a named function, `required` without parallel
-/// calls) ends the choice after the call with `finish_reason: "tool_calls"`, sampled or
-/// greedy, streamed or not: the call grammar ends after the calls it allows (it used to
-/// allow more calls for ever, and the model wrote them until `max_tokens`).
+/// calls) ends the choice after the call with `finish_reason: "tool_calls"`, sampled,
+/// streamed or not: the call grammar ends after the calls it allows (it used to allow more
+/// calls for ever, and the model wrote them until `max_tokens`). `max_tokens` leaves room
+/// for the longest call the schema allows (30 characters of city, a few tokens each).
 #[test]
 fn a_forced_tool_call_ends_the_choice() {
     let s = server();
@@ -1385,7 +1386,7 @@ fn a_forced_tool_call_ends_the_choice() {
         for seed in 0..3 {
             let mut body = chat(
                 "What is the weather in Paris?",
-                json!({"max_tokens": 100, "temperature": 0.8, "seed": seed, "tools": tools,
+                json!({"max_tokens": 200, "temperature": 0.8, "seed": seed, "tools": tools,
                     "tool_choice": choice}),
             );
             if !parallel.is_null() {
@@ -1444,7 +1445,7 @@ fn json_outputs_are_compact_and_their_numbers_end() {
             "/v1/chat/completions",
             chat(
                 "Describe a fictional athlete as JSON.",
-                json!({"max_tokens": 160, "temperature": 0.8, "seed": seed, "response_format": rf}),
+                json!({"max_tokens": 250, "temperature": 0.8, "seed": seed, "response_format": rf}),
             ),
         );
         assert_eq!(code, 200, "{r}");
