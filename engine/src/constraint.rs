@@ -64,6 +64,55 @@ impl JsonStyle {
     }
 }
 
+/// `schema` with `additionalProperties: false` on every object schema that lists
+/// `properties` and says nothing about further ones (no `additionalProperties`,
+/// `patternProperties` or `unevaluatedProperties`): what OpenAI's strict mode requires, and
+/// what a forced tool call's arguments get, so a model cannot go on inventing properties
+/// until `max_tokens`. Schemas combined with `allOf` (and those that hold one) stay open:
+/// closing them would forbid the properties their siblings add.
+pub fn closed_objects(schema: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    fn close(v: &mut Value, in_all_of: bool) {
+        let Value::Object(o) = v else { return };
+        let open = [
+            "additionalProperties",
+            "patternProperties",
+            "unevaluatedProperties",
+        ]
+        .iter()
+        .any(|k| o.contains_key(*k));
+        if !in_all_of && !open && !o.contains_key("allOf") && o.contains_key("properties") {
+            o.insert("additionalProperties".into(), Value::Bool(false));
+        }
+        for (k, child) in o.iter_mut() {
+            match k.as_str() {
+                "properties" | "$defs" | "definitions" | "dependentSchemas" => {
+                    if let Value::Object(m) = child {
+                        m.values_mut().for_each(|c| close(c, false));
+                    }
+                }
+                "anyOf" | "oneOf" | "prefixItems" => {
+                    if let Value::Array(a) = child {
+                        a.iter_mut().for_each(|c| close(c, false));
+                    }
+                }
+                "allOf" => {
+                    if let Value::Array(a) = child {
+                        a.iter_mut().for_each(|c| close(c, true));
+                    }
+                }
+                "items" | "additionalProperties" | "not" | "if" | "then" | "else" | "contains" => {
+                    close(child, false)
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut s = schema.clone();
+    close(&mut s, false);
+    s
+}
+
 /// What a request constrains its output to.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GrammarSpec {
@@ -848,5 +897,28 @@ mod tests {
         let mut m = Mask::alloc_ones(4);
         scan.bound(&mut m);
         assert!(m.is_allowed(0));
+    }
+
+    #[test]
+    fn objects_are_closed_where_nothing_says_otherwise() {
+        let s = json!({"type": "object", "properties": {
+            "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "b": {"type": "object", "properties": {}, "additionalProperties": true},
+            "c": {"type": "array", "items": {"properties": {"y": {}}}},
+            "d": {"allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}]},
+            "e": {"const": {"properties": {"data": 1}}}},
+            "$defs": {"n": {"properties": {"z": {}}}}});
+        let c = closed_objects(&s);
+        assert_eq!(c["additionalProperties"], false);
+        assert_eq!(c["properties"]["a"]["additionalProperties"], false);
+        assert_eq!(c["properties"]["b"]["additionalProperties"], true);
+        assert_eq!(c["properties"]["c"]["items"]["additionalProperties"], false);
+        assert_eq!(c["$defs"]["n"]["additionalProperties"], false);
+        // allOf members stay open (closing them would forbid each other's properties);
+        // data is not a schema.
+        assert!(c["properties"]["d"]["allOf"][0]
+            .get("additionalProperties")
+            .is_none());
+        assert_eq!(c["properties"]["e"], s["properties"]["e"]);
     }
 }

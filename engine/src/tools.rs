@@ -89,14 +89,16 @@ impl ToolSet {
     }
 
     /// Between 1 and `most` calls of `tools`, their arguments compact JSON
-    /// ([`crate::constraint::JsonStyle::Compact`]).
+    /// ([`crate::constraint::JsonStyle::Compact`]) with only the properties the schema
+    /// declares unless it says otherwise ([`crate::constraint::closed_objects`]).
     fn grammar_over(&self, tools: Vec<&Tool>, most: usize) -> String {
         let mut alts: Vec<Value> = tools
             .iter()
             .map(|t| {
                 json!({
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "properties": {"name": {"const": t.name},
+                        "arguments": crate::constraint::closed_objects(&t.parameters)},
                     "required": ["name", "arguments"],
                     "additionalProperties": false,
                 })

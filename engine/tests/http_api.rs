@@ -1377,13 +1377,19 @@ fn a_forced_tool_call_ends_the_choice() {
     let s = server();
     let one_tool = json!([weather_tools()[0].clone()]);
     let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    // Without `additionalProperties` a schema allows any further property, and a small
+    // model invents them until max_tokens: a forced call's arguments take only those listed.
+    let open_tool = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"]}}}]);
     for (tools, choice, parallel) in [
+        (open_tool, json!("required"), Value::Null),
         (one_tool.clone(), json!("required"), Value::Null),
         (one_tool, json!("required"), json!(true)),
         (weather_tools(), named, Value::Null),
         (weather_tools(), json!("required"), json!(false)),
     ] {
-        for seed in 0..3 {
+        for seed in 0..4 {
             let mut body = chat(
                 "What is the weather in Paris?",
                 json!({"max_tokens": 200, "temperature": 0.8, "seed": seed, "tools": tools,
@@ -1396,6 +1402,18 @@ fn a_forced_tool_call_ends_the_choice() {
             assert_eq!(code, 200, "{r}");
             let calls = calls_of(&r);
             assert_eq!(calls.len(), 1, "{body}: {r}");
+            let args: Value = serde_json::from_str(&calls[0].1).unwrap();
+            let declared: &[&str] = match calls[0].0.as_str() {
+                "get_weather" => &["city", "unit"],
+                _ => &["a", "b"],
+            };
+            assert!(
+                args.as_object()
+                    .unwrap()
+                    .keys()
+                    .all(|k| declared.contains(&k.as_str())),
+                "{args}"
+            );
             body["stream"] = json!(true);
             assert_eq!(
                 streamed_calls(&sse(&s.base, "/v1/chat/completions", body)),

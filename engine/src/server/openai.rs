@@ -313,6 +313,17 @@ fn grammar_of(
                             "response_format json_schema needs json_schema.schema",
                         )
                     })?;
+                // OpenAI's strict mode: objects take only the properties they list.
+                let strict = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("strict"))
+                    .and_then(|s| s.as_bool())
+                    .unwrap_or(false);
+                let schema = if strict {
+                    crate::constraint::closed_objects(&schema)
+                } else {
+                    schema
+                };
                 found.push((
                     "response_format",
                     GrammarSpec::JsonSchema(schema, style.clone()),
