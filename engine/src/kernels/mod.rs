@@ -167,13 +167,11 @@ impl<'a> QMatrix<'a> {
         self
     }
 
-    /// The packed copy, when a call of `m` input rows will use it. K-quants decode one row
-    /// (`m = 1`) from the ggml layout: streaming a real-size model, their one-row kernels
-    /// read memory faster there (Qwen2.5-1.5B Q4_K_M: 15.8 vs 12.3 steps/s, docs/benchmarks.md
-    /// "Session 35"); from two rows on, the packed kernels win (1.6x at 8 rows).
-    fn packed_for(&self, isa: Isa, m: usize) -> Option<&'a packed::Packed> {
-        self.packed
-            .filter(|p| p.isa == isa && (m >= 2 || !p.is_kquant()))
+    /// The packed copy, when this call will use it: for every row count alike, so a row's
+    /// arithmetic never depends on how many rows share its call (a verify step's rows equal
+    /// one-at-a-time decoding, bit for bit; `packed_rows_do_not_depend_on_their_batch`).
+    fn packed_for(&self, isa: Isa) -> Option<&'a packed::Packed> {
+        self.packed.filter(|p| p.isa == isa)
     }
 
     /// `out[m, n] = x[m, k] · Wᵀ` with the best instruction set of this CPU.
@@ -203,7 +201,7 @@ impl<'a> QMatrix<'a> {
         // detected on this CPU); `self.data` holds `n` rows of `self.ty` blocks.
         unsafe {
             #[cfg(target_arch = "x86_64")]
-            if let Some(p) = self.packed_for(isa, m) {
+            if let Some(p) = self.packed_for(isa) {
                 return if p.is_kquant() {
                     p.run_k(&acts.q8k, m, j0, j1, out.ptr())
                 } else {
@@ -286,7 +284,7 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
     };
     let shapes: Vec<(usize, usize, usize)> = ws
         .iter()
-        .map(|w| match w.packed_for(isa, m) {
+        .map(|w| match w.packed_for(isa) {
             Some(p) => (w.n, w.row_bytes(), p.lanes()),
             None => (w.n, w.row_bytes(), 1),
         })

@@ -18,7 +18,7 @@
 //!   zero-extension gives the i16 pairs `vpdpwssd` multiplies with the activation's pair of
 //!   32-sums), 16 f16 `d`, 16 f16 `dmin`.
 //!
-//! Q6_K, per super-block of 16 rows (3360 bytes): 4 quads of 12 vectors (sub-blocks
+//! Q6_K, per super-block of 16 rows (3360 bytes, padded to 3392): 4 quads of 12 vectors (sub-blocks
 //! `4q .. 4q + 4`): 4 vectors of low nibbles for sub-blocks `4q` (low) and `4q + 1` (high),
 //! 4 for `4q + 2` / `4q + 3`, then 4 vectors of high bit pairs (bits `2t, 2t + 1` of a byte
 //! for sub-block `4q + t`); vector `v`, lane `l`, byte `i` is element `4v + i` of its
@@ -40,7 +40,9 @@ const Q4K_BYTES: usize = Q4K_DMIN + 2 * LANES;
 const Q6K_QUAD: usize = 12 * 64;
 const Q6K_SCALES: usize = 4 * Q6K_QUAD;
 const Q6K_D: usize = Q6K_SCALES + 16 * LANES;
-const Q6K_BYTES: usize = Q6K_D + 2 * LANES;
+/// 3,360 bytes of data padded to a whole number of cache lines (+1 %), so that every
+/// 64-byte quant vector of every super-block is line-aligned (Q4_K's 2,368 already are).
+const Q6K_BYTES: usize = (Q6K_D + 2 * LANES).next_multiple_of(64);
 
 /// Bytes per packed super-block of 16 rows.
 pub(super) fn block_bytes(ty: QType) -> usize {

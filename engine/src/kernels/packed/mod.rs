@@ -80,7 +80,36 @@ pub struct Packed {
     pub k: usize,
     /// The kernels these bytes are laid out for (`Avx2` or `Avx512Vnni`).
     pub isa: Isa,
-    data: Vec<u8>,
+    data: Aligned,
+}
+
+/// Bytes whose start is aligned to a cache line (64 bytes), so the kernels' 64-byte vector
+/// loads of line-sized blocks never straddle two lines.
+struct Aligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn zeroed(len: usize) -> Self {
+        let buf = vec![0u8; len + 63];
+        let off = buf.as_ptr().align_offset(64);
+        Self { buf, off, len }
+    }
+}
+
+impl std::ops::Deref for Aligned {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.off..self.off + self.len]
+    }
+}
+
+impl std::ops::DerefMut for Aligned {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
 }
 
 /// Rows per group (one per 32-bit lane of the ISA's vectors); `None` where nothing is packed.
@@ -139,7 +168,7 @@ impl Packed {
         if matches!(ty, QType::Q4K | QType::Q6K) {
             let nb = k / QK_K;
             let bb = kquant::block_bytes(ty);
-            let mut out = vec![0u8; n / lanes * nb * bb];
+            let mut out = Aligned::zeroed(n / lanes * nb * bb);
             for (i, dst) in out.chunks_mut(bb).enumerate() {
                 kquant::pack_block(ty, m.data, nb, i / nb, i % nb, dst);
             }
@@ -155,7 +184,7 @@ impl Packed {
         let bb = block_bytes(ty, lanes);
         let qb = quant_bytes(ty, lanes);
         let v = 4 * lanes;
-        let mut out = vec![0u8; n * nb * bb / lanes];
+        let mut out = Aligned::zeroed(n * nb * bb / lanes);
         for g in 0..n / lanes {
             for b in 0..nb {
                 let dst = &mut out[(g * nb + b) * bb..(g * nb + b + 1) * bb];
