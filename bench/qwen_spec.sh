@@ -12,6 +12,8 @@
 # Env (defaults): LEVELS=1,4  REQUESTS=6 (per level and prompt set)  ROUNDS=2
 #   MAX_TOKENS=256  TEMPERATURE=0  CONFIGS="engine-none engine-dspark llama-plain
 #   llama-draft3 llama-ngram" (also llama-draft2, llama-draft5)  SETS="humaneval chat"
+#   ENGINE_ARGS (extra serve flags for both engine configurations, e.g. --cost-table T.json
+#   with a table `dspark-engine profile` measured once, instead of each start-up's profile)
 # Servers listen on 127.0.0.1 only. llama-server runs with --load-mode none (the VM keeps
 # ~1.1 GB of page cache; a mapped 1.1 GB model pages from disk). Run on a quiet machine.
 set -euo pipefail
@@ -45,8 +47,8 @@ trap stop EXIT
 start() {
   local cfg="$1" log="$OUT/$2.server.log" slots=16
   case "$cfg" in
-    engine-none) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" --speculation none >"$log" 2>&1 & ;;
-    engine-dspark) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" >"$log" 2>&1 & ;;
+    engine-none) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" --speculation none ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
+    engine-dspark) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
     llama-*)
       local extra=()
       case "$cfg" in

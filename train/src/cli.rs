@@ -165,8 +165,13 @@ fn dataset(
     } else {
         a.target_layers.clone()
     };
+    // Teacher-forced texts feed up to 4 x --max-new-tokens tokens each.
+    let most: usize = prompts
+        .iter()
+        .map(|p| a.max_new_tokens * if p.forced { 4 } else { 1 })
+        .sum();
     let pb = bar(
-        (prompts.len() * a.max_new_tokens) as u64,
+        most as u64,
         "generating [{bar:30}] {pos}/{len} tokens (at most) {per_sec} {elapsed_precise}",
     );
     let t0 = Instant::now();
@@ -194,7 +199,15 @@ fn dataset(
             target_layers: layers,
             topk: a.topk,
             max_new_tokens: a.max_new_tokens,
-            generation: "greedy (temperature 0), batched engine forward".into(),
+            generation: match prompts.iter().filter(|p| p.forced).count() {
+                0 => "greedy (temperature 0), batched engine forward".into(),
+                n if n == prompts.len() => {
+                    "teacher-forced text (no generation), engine forward in chunks of 128".into()
+                }
+                n => format!(
+                    "greedy (temperature 0), batched engine forward; {n} teacher-forced texts"
+                ),
+            },
             prompts: names.join(","),
             total_tokens: seqs.iter().map(|s| s.meta.fed + 1).sum(),
             seqs: seqs.iter().map(|s| s.meta.clone()).collect(),
