@@ -166,8 +166,18 @@ fn tokenizer_matches_llama_cpp_tokenization() {
 
 #[test]
 fn batched_and_unbatched_forwards_agree() {
-    let (m, mut kv) = load(&common::smollm2(), DType::F16);
-    let (_, ct) = dspark_engine::model::weights::open_gguf(&common::smollm2()).unwrap();
+    batched_vs_solo(&common::smollm2());
+}
+
+/// The real-size target's packed K-quant kernels, biases and 2-kv-head attention too.
+#[test]
+fn qwen2_5_coder_batched_and_unbatched_forwards_agree() {
+    batched_vs_solo(&common::qwen15());
+}
+
+fn batched_vs_solo(path: &Path) {
+    let (m, mut kv) = load(path, DType::F16);
+    let (_, ct) = dspark_engine::model::weights::open_gguf(path).unwrap();
     let tok = TextTokenizer::from_gguf(&ct).unwrap();
     let texts = [
         "def fibonacci(n):\n    if n < 2:\n        return n",

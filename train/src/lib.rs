@@ -244,7 +244,7 @@ fn warm_start(target: &Model, cfg: DSparkConfig, dir: &Path) -> Result<DSparkDra
 /// when the widths match). The drafter reads the target's own hidden states, so its one
 /// layer starts as a copy of the layer that maps them to the next token's state; training
 /// starts from a working transformer block instead of noise (q/k norms, which Llama and Qwen2
-/// targets lack, start at 1).
+/// targets lack, start at 1). The drafter's final norm is the target's final norm.
 pub fn init_from_target(target: &Model, cfg: DSparkConfig, seed: u64) -> Result<DSparkDrafter> {
     let random = DSparkDrafter::random(target, cfg.clone(), seed)?;
     let mut tensors: HashMap<String, Tensor> = random
@@ -281,6 +281,10 @@ pub fn init_from_target(target: &Model, cfg: DSparkConfig, seed: u64) -> Result<
         idx
     };
     let keep = Tensor::new(keep.as_slice(), &target.device)?;
+    // The drafter's final norm feeds the target's LM head rows, as the target's final norm
+    // does: with its weights (Qwen2.5's are far from 1) the first logits are on the target's
+    // scale instead of several times flatter.
+    tensors.insert("norm.weight".into(), target.weights.final_norm.clone());
     for i in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("layers.{i}.{s}.weight");
         let mut set = |name: String, t: Tensor| -> Result<()> {

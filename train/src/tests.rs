@@ -166,6 +166,7 @@ fn init_from_target_copies_the_last_layer() {
         assert_eq!(got("self_attn.q_proj"), bf(&dense(&last.wq)));
         assert_eq!(got("self_attn.o_proj"), bf(&dense(&last.wo)));
         assert_eq!(got("input_layernorm"), bf(&last.attn_norm));
+        assert_eq!(bf(&t["norm.weight"]), bf(&target.weights.final_norm));
         let gate = dense(&last.gate);
         let g = t["layers.0.mlp.gate_proj.weight"].clone();
         assert_eq!(g.dims(), &[cfg.intermediate_size, target.cfg.hidden_size]);
