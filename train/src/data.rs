@@ -216,6 +216,19 @@ struct Gen {
     done: bool,
 }
 
+/// A KV cache (f32, blocks of 16) for `seqs` sequences of up to `len` tokens each.
+fn gen_cache(model: &Model, seqs: usize, len: usize) -> Result<KvCache> {
+    let bytes =
+        seqs * (len + 32) * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
+    KvCache::new(
+        model.cfg.num_layers,
+        model.cfg.kv_dim(),
+        bytes,
+        16,
+        &model.device,
+    )
+}
+
 /// Rows fed per forward of a teacher-forced text (its logits are `rows x vocab` floats).
 const FORCED_CHUNK: usize = 128;
 
@@ -234,14 +247,7 @@ fn teacher_force(
     tokens.truncate(max_len.min(model.max_context() - 1));
     ensure!(tokens.len() >= 2, "{}: text of fewer than 2 tokens", p.id);
     let n = tokens.len();
-    let bytes = (n + 32) * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
-    let mut kv = KvCache::new(
-        model.cfg.num_layers,
-        model.cfg.kv_dim(),
-        bytes,
-        16,
-        &model.device,
-    )?;
+    let mut kv = gen_cache(model, 1, n)?;
     let mut table = Vec::new();
     ensure!(
         kv.ensure(&mut table, n),
@@ -322,16 +328,7 @@ pub fn generate(
             longest - opts.max_new_tokens,
             opts.max_new_tokens
         );
-        let bytes = chunk.len()
-            * (longest + 32)
-            * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
-        let mut kv = KvCache::new(
-            model.cfg.num_layers,
-            model.cfg.kv_dim(),
-            bytes,
-            16,
-            &model.device,
-        )?;
+        let mut kv = gen_cache(model, chunk.len(), longest)?;
         let mut gens: Vec<Gen> = encoded
             .into_iter()
             .map(|t| Gen {
