@@ -203,7 +203,7 @@ impl<'a> QMatrix<'a> {
             #[cfg(target_arch = "x86_64")]
             if let Some(p) = self.packed_for(isa) {
                 return if p.is_kquant() {
-                    p.run_k(&acts.q8k, m, j0, j1, out.ptr())
+                    p.run_k(&acts.q8k, &acts.q8k_pairs, m, j0, j1, out.ptr())
                 } else {
                     p.run(&acts.q8, m, j0, j1, out.ptr())
                 };
@@ -247,6 +247,8 @@ impl<'a> QMatrix<'a> {
 struct Acts {
     q8: Vec<q8::Q8Block>,
     q8k: Vec<q8::Q8KBlock>,
+    /// The pairs of 32-sums of `q8k` that packed Q4_K's min term multiplies with.
+    q8k_pairs: Vec<[i32; 4]>,
 }
 
 /// Several matrices with the same input (q/k/v, gate/up): `outs[i] = x · ws[i]ᵀ`, with the
@@ -270,7 +272,7 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
     if m == 0 {
         return;
     }
-    let acts = Acts {
+    let mut acts = Acts {
         q8: if ws.iter().any(|w| w.ty.block_size() == blocks::QK) {
             matmul::quantize_rows::<dot::Q8_0>(x, m, k)
         } else {
@@ -281,7 +283,14 @@ pub fn matmul_many_isa(ws: &[QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f3
         } else {
             Vec::new()
         },
+        q8k_pairs: Vec::new(),
     };
+    if ws
+        .iter()
+        .any(|w| w.ty == QType::Q4K && w.packed_for(isa).is_some())
+    {
+        acts.q8k_pairs = packed::kquant::min_pairs(&acts.q8k);
+    }
     let shapes: Vec<(usize, usize, usize)> = ws
         .iter()
         .map(|w| match w.packed_for(isa) {

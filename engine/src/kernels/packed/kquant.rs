@@ -109,7 +109,7 @@ fn q6(x: &BlockQ6K, e: usize) -> u8 {
 
 /// Per activation super-block, Q4_K's min term needs the 32-sums of its 8 sub-blocks as i16
 /// pairs (`sum_{2p} | sum_{2p+1} << 16`), one per pair of sub-blocks.
-pub(super) fn min_pairs(acts: &[Q8KBlock]) -> Vec<[i32; 4]> {
+pub(in crate::kernels) fn min_pairs(acts: &[Q8KBlock]) -> Vec<[i32; 4]> {
     acts.iter()
         .map(|a| {
             std::array::from_fn(|p| {

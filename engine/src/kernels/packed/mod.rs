@@ -270,7 +270,17 @@ impl Packed {
     /// # Safety
     /// As [`Self::run`].
     #[cfg(target_arch = "x86_64")]
-    pub unsafe fn run_k(&self, acts: &[Q8KBlock], m: usize, j0: usize, j1: usize, out: *mut f32) {
+    /// `mp` holds [`kquant::min_pairs`] of `acts` (computed once per call of the matmul, not
+    /// per chunk; only Q4_K reads it).
+    pub unsafe fn run_k(
+        &self,
+        acts: &[Q8KBlock],
+        mp: &[[i32; 4]],
+        m: usize,
+        j0: usize,
+        j1: usize,
+        out: *mut f32,
+    ) {
         // SAFETY: as in `run`: the ISA (AVX-512 VNNI, the only one K-quants pack for) runs
         // here, columns `j0..j1` of `out` are ours, `acts` (and `mp`, one entry per block)
         // hold `m * nb` blocks, and each kernel call reads `rows` activation rows and one
@@ -280,22 +290,14 @@ impl Packed {
             let lanes = self.lanes();
             let nb = self.k / QK_K;
             assert_eq!(acts.len(), m * nb, "activation blocks");
-            let mp = if self.ty == QType::Q4K {
-                kquant::min_pairs(acts)
-            } else {
-                Vec::new()
-            };
+            assert!(self.ty != QType::Q4K || mp.len() == m * nb, "min pairs");
             let gb = self.group_bytes();
             let pf = prefetch_distance();
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(max_rows(self.isa));
                 let a = &acts[r0 * nb..];
-                let mpr = if mp.is_empty() {
-                    &mp[..]
-                } else {
-                    &mp[r0 * nb..]
-                };
+                let mpr = if mp.is_empty() { mp } else { &mp[r0 * nb..] };
                 for g in j0 / lanes..j1 / lanes {
                     let w = &self.data[g * gb..(g + 1) * gb];
                     let o = out.add(r0 * self.n + g * lanes);
