@@ -109,6 +109,11 @@ pub struct DSparkDeploymentSpec {
     /// reconciles at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub suspend: Option<bool>,
+    /// Keep a Gateway API Inference Extension `InferencePool` (named after this deployment)
+    /// over every engine pod, for gateways that route by load through an endpoint picker;
+    /// removing the field deletes the pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool: Option<super::InferencePoolSpec>,
 }
 
 /// Where weights come from: exactly one of `huggingFace`, `s3`, `image`, `pvc`, `hostPath`
@@ -795,6 +800,10 @@ pub struct DSparkDeploymentStatus {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["role"]))]
     pub resolved_sources: Vec<ResolvedSource>,
+    /// The `InferencePool` the operator keeps for `spec.inferencePool` (its name), absent when
+    /// there is none (the field is unset, or the cluster has no InferencePool CRD).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_pool: Option<String>,
 }
 
 /// A remote source's resolved revision.

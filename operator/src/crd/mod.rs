@@ -13,6 +13,7 @@
 
 pub mod cost_table;
 pub mod deployment;
+pub mod inference_pool;
 pub mod install;
 #[cfg(test)]
 mod tests;
@@ -20,3 +21,4 @@ pub mod yaml;
 
 pub use cost_table::*;
 pub use deployment::*;
+pub use inference_pool::{EndpointPicker, FailureMode, InferencePoolSpec};

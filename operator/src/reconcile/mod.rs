@@ -8,6 +8,7 @@
 
 pub mod cache;
 pub mod costs;
+pub mod inference_pool;
 pub mod model;
 pub mod names;
 mod phases;
@@ -150,6 +151,10 @@ struct Runtime {
     /// The remote sources' resolved revisions as the last reconcile saw them: in force even
     /// where the status cannot hold them (a CRD older than this operator).
     resolved: Vec<crate::crd::ResolvedSource>,
+    /// The InferencePool the last reconcile applied (`spec.inferencePool`).
+    inference_pool: Option<String>,
+    /// The generation a missing InferencePool CRD was announced for.
+    inference_pool_warned: Option<i64>,
 }
 
 /// Error backoff: 5 s doubling per back-off level, at most 5 minutes.

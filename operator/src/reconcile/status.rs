@@ -78,6 +78,8 @@ pub struct StatusInput<'a> {
     pub model: super::model::ModelAvailability,
     /// The remote sources' resolved revisions (see [`super::model::resolutions`]).
     pub resolved: Vec<crate::crd::ResolvedSource>,
+    /// The InferencePool kept for `spec.inferencePool` (see [`super::inference_pool`]).
+    pub inference_pool: Option<String>,
     /// RFC 3339 time of this reconcile (used only for conditions that change).
     pub now: &'a str,
     pub old: &'a DSparkDeploymentStatus,
@@ -176,6 +178,7 @@ pub fn build(i: &StatusInput<'_>) -> DSparkDeploymentStatus {
         pools,
         last_scaling_decision: i.last_decision.clone(),
         resolved_sources: i.resolved.clone(),
+        inference_pool: i.inference_pool.clone(),
     }
 }
 
@@ -679,6 +682,7 @@ mod tests {
             last_decision: None,
             evaluated: true,
             resolved: Vec::new(),
+            inference_pool: None,
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
@@ -730,6 +734,7 @@ mod tests {
             last_decision: None,
             evaluated: false,
             resolved: Vec::new(),
+            inference_pool: None,
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
@@ -797,6 +802,7 @@ mod tests {
                 last_decision: None,
                 evaluated: false,
                 resolved: Vec::new(),
+                inference_pool: None,
                 model: super::super::model::ModelAvailability {
                     ok: Some(true),
                     reason: "VolumeSource".into(),
@@ -860,6 +866,7 @@ mod tests {
             last_decision: None,
             evaluated: true,
             resolved: Vec::new(),
+            inference_pool: None,
             model: super::super::model::ModelAvailability {
                 ok: Some(true),
                 reason: "VolumeSource".into(),
