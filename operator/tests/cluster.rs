@@ -142,6 +142,21 @@ where
         .is_some()
 }
 
+/// Waits (as [`wait_for`]) until the named object exists.
+async fn appears<K>(client: &Client, ns: &str, name: &str)
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let what = format!("{} {name}", K::kind(&()));
+    wait_for(&what, || async {
+        exists::<K>(client, ns, name).await.then_some(())
+    })
+    .await
+}
+
 /// A fresh namespace `{base}-{unique}` (namespaces of earlier runs may still be terminating).
 async fn namespace(client: &Client, base: &str) -> String {
     let api: Api<Namespace> = Api::all(client.clone());
@@ -490,30 +505,13 @@ async fn reconcile_creates_the_pool_objects_profiles_and_garbage_collects() {
     let owners = dep.metadata.owner_references.unwrap();
     assert_eq!(owners[0].kind, "DSparkDeployment");
 
-    for (what, found) in [
-        (
-            "Service",
-            exists::<Service>(&client, &ns, "smollm2-a100").await,
-        ),
-        (
-            "deployment Service",
-            exists::<Service>(&client, &ns, "smollm2").await,
-        ),
-        (
-            "PDB",
-            exists::<PodDisruptionBudget>(&client, &ns, "smollm2-a100").await,
-        ),
-        (
-            "ConfigMap",
-            exists::<ConfigMap>(&client, &ns, "smollm2-a100-cost-table").await,
-        ),
-        (
-            "Secret",
-            exists::<Secret>(&client, &ns, "smollm2-admin-token").await,
-        ),
-    ] {
-        assert!(found, "{what} missing");
-    }
+    // The pool's other objects are applied after its Deployment, within the same reconcile:
+    // on a busy machine the test may look between two applies, so each is waited for.
+    appears::<Service>(&client, &ns, "smollm2-a100").await;
+    appears::<Service>(&client, &ns, "smollm2").await;
+    appears::<PodDisruptionBudget>(&client, &ns, "smollm2-a100").await;
+    appears::<ConfigMap>(&client, &ns, "smollm2-a100-cost-table").await;
+    appears::<Secret>(&client, &ns, "smollm2-admin-token").await;
 
     // The profiling Job: pinned to the node type; its table lands in the cost table, the
     // ConfigMap and the Deployment's args.
