@@ -23,9 +23,9 @@ use crate::{Error, Result};
 
 /// The schema revision of the CRDs this operator renders. Bump it (and [`SCHEMA_DIGEST`])
 /// with every change to the types' schema; the test below says when.
-pub const SCHEMA_REVISION: u32 = 4;
+pub const SCHEMA_REVISION: u32 = 5;
 /// FNV-1a of the CRDs' specs at [`SCHEMA_REVISION`] (see [`schema_digest`]).
-pub const SCHEMA_DIGEST: &str = "7502e82e6a88be87";
+pub const SCHEMA_DIGEST: &str = "f617b9340ad2c82a";
 /// The annotation holding a CRD's schema revision.
 pub const REVISION_ANNOTATION: &str = "serving.dspark.dev/schema-revision";
 
