@@ -33,53 +33,25 @@ pub struct Arm {
 }
 
 /// Parses `--policy-experiment`: comma-separated `dspark`, `none`, `fixed:G`,
-/// `threshold:T`; `gamma` is the block size of `dspark` and `threshold`.
+/// `threshold:T` (the contract's grammar, shared with the operator's CRD rule); `gamma` is
+/// the block size of `dspark` and `threshold`.
 pub fn parse_arms(spec: &str, gamma: usize) -> Result<Vec<Arm>, String> {
-    let mut arms: Vec<Arm> = Vec::new();
-    for raw in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (kind, val) = raw.split_once(':').unwrap_or((raw, ""));
-        let policy = match kind {
-            "none" if val.is_empty() => None,
-            "dspark" if val.is_empty() => Some(VerifyPolicy::Dspark { gamma }),
-            "fixed" => {
-                let g: usize = val
-                    .parse()
-                    .ok()
-                    .filter(|&g| g >= 1)
-                    .ok_or_else(|| format!("arm '{raw}': fixed:G needs a block size G >= 1"))?;
-                Some(VerifyPolicy::Fixed { gamma: g })
-            }
-            "threshold" => {
-                let t: f32 = val
-                    .parse()
-                    .ok()
-                    .filter(|t: &f32| (0.0..=1.0).contains(t))
-                    .ok_or_else(|| format!("arm '{raw}': threshold:T needs T in [0, 1]"))?;
-                Some(VerifyPolicy::Threshold {
+    use dspark_types::contract::experiment::{self, ArmKind};
+    Ok(experiment::parse_arms(spec)?
+        .into_iter()
+        .map(|(label, kind)| Arm {
+            label,
+            policy: match kind {
+                ArmKind::None => None,
+                ArmKind::Dspark => Some(VerifyPolicy::Dspark { gamma }),
+                ArmKind::Fixed(g) => Some(VerifyPolicy::Fixed { gamma: g as usize }),
+                ArmKind::Threshold(t) => Some(VerifyPolicy::Threshold {
                     gamma,
                     threshold: t,
-                })
-            }
-            _ => {
-                return Err(format!(
-                    "unknown arm '{raw}'; use dspark, none, fixed:G or threshold:T"
-                ))
-            }
-        };
-        if arms.iter().any(|a| a.label == raw) {
-            return Err(format!("arm '{raw}' is listed twice"));
-        }
-        arms.push(Arm {
-            label: raw.to_string(),
-            policy,
-        });
-    }
-    if arms.len() < 2 {
-        return Err(format!(
-            "--policy-experiment needs at least two arms (e.g. dspark,none), got '{spec}'"
-        ));
-    }
-    Ok(arms)
+                }),
+            },
+        })
+        .collect())
 }
 
 /// One finished window.

@@ -13,7 +13,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client, ResourceExt};
 
@@ -212,25 +214,33 @@ fn samples(dir: &str) -> Vec<(String, String)> {
     out
 }
 
+/// Admission: every sample is admitted and every invalid one (config/samples/invalid/, one
+/// per rule: the held-out cases of issue 51, the Kubernetes formats of fields copied into
+/// pods, the contract's grammars) is refused with server-side dry-run, 422, and a message
+/// naming the field (its `# expect:` line). The manifests are sent as written (not through
+/// the Rust types, which would refuse some of them before the apiserver sees them).
 #[tokio::test]
 async fn crds_accept_the_samples_and_refuse_the_invalid_ones_with_their_message() {
     let Some((client, ns)) = test_env("crds_accept_the_samples", "dspark-it-samples").await else {
         return;
     };
-    let api: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
+    let resource = ApiResource::erase::<DSparkDeployment>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &resource);
     let dry = PostParams {
         dry_run: true,
         ..Default::default()
     };
     for (file, text) in samples("config/samples") {
-        let obj: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        let obj: DynamicObject = serde_yaml::from_str(&text).unwrap();
         api.create(&dry, &obj)
             .await
             .unwrap_or_else(|e| panic!("sample {file} refused: {e}"));
     }
-    for (file, text) in samples("config/samples/invalid") {
+    let invalid = samples("config/samples/invalid");
+    assert!(invalid.len() >= 38, "{} invalid samples", invalid.len());
+    for (file, text) in invalid {
         let expect = dspark_operator::crd::yaml::expected_message(&text).unwrap();
-        let obj: DSparkDeployment = serde_yaml::from_str(&text).unwrap();
+        let obj: DynamicObject = serde_yaml::from_str(&text).unwrap();
         match api.create(&dry, &obj).await {
             Ok(_) => panic!("invalid sample {file} was accepted"),
             Err(kube::Error::Api(e)) => {

@@ -41,105 +41,53 @@ pub enum Source {
     Https(String),
 }
 
-/// The schemes a source may use, for error messages (and the operator's admission rule).
-pub const SCHEMES: &str = "hf://, s3://, https:// or a local path";
+use dspark_types::contract::source::SourceUri;
+/// The schemes a source may use, for error messages (the contract's).
+pub use dspark_types::contract::source::SCHEMES;
 
+/// The grammar is the contract's ([`SourceUri`]: parse and display written once, shared with
+/// the operator); this type only holds a local path as a [`PathBuf`].
 impl std::str::FromStr for Source {
     type Err = anyhow::Error;
 
     fn from_str(s: &str) -> Result<Self> {
-        let s = s.trim();
-        anyhow::ensure!(!s.is_empty(), "empty model source; give {SCHEMES}");
-        let Some((scheme, rest)) = s.split_once("://") else {
-            return Ok(Source::Local(PathBuf::from(s)));
-        };
-        match scheme {
-            "hf" => parse_hf(rest).with_context(|| {
-                format!("bad source '{s}': use hf://ORG/REPO[@REVISION][/FILE[,FILE...]]")
-            }),
-            "s3" => {
-                let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
-                anyhow::ensure!(
-                    !bucket.is_empty() && !key.is_empty(),
-                    "bad source '{s}': use s3://BUCKET/KEY (a file) or s3://BUCKET/PREFIX/ (a folder)"
-                );
-                Ok(Source::S3 {
-                    bucket: bucket.to_string(),
-                    key: key.to_string(),
-                })
-            }
-            "https" | "http" => {
-                anyhow::ensure!(
-                    rest.split('/').next().is_some_and(|h| !h.is_empty()),
-                    "bad source '{s}': no host"
-                );
-                Ok(Source::Https(s.to_string()))
-            }
-            "file" => Ok(Source::Local(PathBuf::from(rest))),
-            other => {
-                anyhow::bail!("unknown model source scheme '{other}://' in '{s}'; use {SCHEMES}")
-            }
-        }
+        Ok(match s.parse::<SourceUri>().map_err(anyhow::Error::msg)? {
+            SourceUri::Local(p) => Source::Local(PathBuf::from(p)),
+            SourceUri::HuggingFace {
+                repo,
+                revision,
+                file,
+            } => Source::HuggingFace {
+                repo,
+                revision,
+                file,
+            },
+            SourceUri::S3 { bucket, key } => Source::S3 { bucket, key },
+            SourceUri::Https(u) => Source::Https(u),
+        })
     }
-}
-
-fn parse_hf(rest: &str) -> Result<Source> {
-    let mut parts = rest.splitn(3, '/');
-    let org = parts.next().unwrap_or_default();
-    let name_rev = parts.next().unwrap_or_default();
-    let file = parts.next().filter(|f| !f.is_empty());
-    let (name, revision) = match name_rev.split_once('@') {
-        Some((n, r)) => (n, Some(r)),
-        None => (name_rev, None),
-    };
-    let ok = |x: &str| {
-        !x.is_empty()
-            && x.chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    };
-    anyhow::ensure!(ok(org) && ok(name), "the repo must be ORG/REPO");
-    if let Some(r) = revision {
-        anyhow::ensure!(
-            !r.is_empty() && !r.contains(char::is_whitespace),
-            "empty revision after '@'"
-        );
-    }
-    if let Some(f) = file {
-        for one in f.split(',') {
-            anyhow::ensure!(
-                !one.split('/').any(|c| c == ".." || c.is_empty()),
-                "bad file path '{one}'"
-            );
-        }
-    }
-    Ok(Source::HuggingFace {
-        repo: format!("{org}/{name}"),
-        revision: revision.map(str::to_string),
-        file: file.map(str::to_string),
-    })
 }
 
 impl std::fmt::Display for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Source::Local(p) => write!(f, "{}", p.display()),
+        let uri = match self {
+            Source::Local(p) => return write!(f, "{}", p.display()),
             Source::HuggingFace {
                 repo,
                 revision,
                 file,
-            } => {
-                write!(f, "hf://{repo}")?;
-                if let Some(r) = revision {
-                    write!(f, "@{r}")?;
-                }
-                if let Some(x) = file {
-                    write!(f, "/{x}")?;
-                }
-                Ok(())
-            }
-            Source::S3 { bucket, key } => write!(f, "s3://{bucket}/{key}"),
-            Source::Https(u) => write!(f, "{u}"),
-        }
+            } => SourceUri::HuggingFace {
+                repo: repo.clone(),
+                revision: revision.clone(),
+                file: file.clone(),
+            },
+            Source::S3 { bucket, key } => SourceUri::S3 {
+                bucket: bucket.clone(),
+                key: key.clone(),
+            },
+            Source::Https(u) => SourceUri::Https(u.clone()),
+        };
+        write!(f, "{uri}")
     }
 }
 

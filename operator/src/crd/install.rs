@@ -23,9 +23,9 @@ use crate::{Error, Result};
 
 /// The schema revision of the CRDs this operator renders. Bump it (and [`SCHEMA_DIGEST`])
 /// with every change to the types' schema; the test below says when.
-pub const SCHEMA_REVISION: u32 = 5;
+pub const SCHEMA_REVISION: u32 = 6;
 /// FNV-1a of the CRDs' specs at [`SCHEMA_REVISION`] (see [`schema_digest`]).
-pub const SCHEMA_DIGEST: &str = "aeabd7d2e5f14902";
+pub const SCHEMA_DIGEST: &str = "fe6e175972a9dad1";
 /// The annotation holding a CRD's schema revision.
 pub const REVISION_ANNOTATION: &str = "serving.dspark.dev/schema-revision";
 

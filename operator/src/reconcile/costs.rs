@@ -45,7 +45,7 @@ pub fn owners_of(key: &CostTableKey, all: &[&DSparkDeployment]) -> Vec<OwnerRefe
 
 /// Applies the cost table of `key` (spec and owners) and returns it with its status.
 pub(super) async fn ensure_cost_table(
-    ctx: &super::Context,
+    ctx: &super::context::Context,
     ns: &str,
     key: &CostTableKey,
     owners: Vec<OwnerReference>,
@@ -61,7 +61,7 @@ pub(super) async fn ensure_cost_table(
         },
         "spec": key.spec(),
     });
-    super::apply_body::<DSparkCostTable>(ctx, ns, &name, &patch).await
+    super::writers::apply_body::<DSparkCostTable>(ctx, ns, &name, &patch).await
 }
 
 /// The controller owner reference of `meta`, if any.

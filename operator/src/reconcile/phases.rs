@@ -23,15 +23,14 @@ use kube::{Resource, ResourceExt};
 use tracing::{info, warn};
 
 use super::cache;
+use super::context::{Context, Runtime};
 use super::costs::{self, PushOutcome};
 use super::inference_pool;
 use super::names::pool_object_name;
 use super::pool::{self, ADMIN_PORT};
 use super::status::{self, PoolView, StatusInput};
-use super::{
-    admin_token, apply, model, object_key, profiling, prune, publish, write_replicas, write_status,
-};
-use super::{Context, Runtime};
+use super::writers::{admin_token, apply, object_key, publish, write_replicas, write_status};
+use super::{model, profiling, prune};
 use crate::autoscale::metrics::PoolObservation;
 use crate::autoscale::policy::{self, Behavior, PolicyInput, PoolInput, SloTargets};
 use crate::autoscale::source;

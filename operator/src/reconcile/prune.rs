@@ -25,10 +25,10 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::{Api, Resource, ResourceExt};
 
 use super::cache::Cached;
+use super::context::Context;
 use super::names::{
     cost_table_config_map_name, pool_object_name, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER,
 };
-use super::Context;
 use crate::crd::{cost_table_name, DSparkCostTable, DSparkDeployment};
 use crate::{Error, Result};
 
