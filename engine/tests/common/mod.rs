@@ -10,6 +10,8 @@ pub mod engine;
 pub mod http;
 pub mod process;
 
+// Not every test binary uses them.
+#[allow(unused_imports)]
 pub use http::{metric, serve, Server};
 
 use std::path::PathBuf;
