@@ -17,6 +17,10 @@ use llguidance::toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use std::sync::Arc;
 
+/// `serve --max-grammar-work` by default: the work units giving llguidance's own limits
+/// (see [`Grammars::compile_within`]).
+pub const DEFAULT_MAX_GRAMMAR_WORK: u64 = 1_000_000;
+
 /// Allowed tokens at one position.
 pub type Mask = SimpleVob;
 
@@ -206,7 +210,7 @@ impl Grammars {
 
     /// Compiles `spec` with llguidance's default limits.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Constraint> {
-        self.compile_within(spec, crate::server::DEFAULT_MAX_GRAMMAR_WORK)
+        self.compile_within(spec, DEFAULT_MAX_GRAMMAR_WORK)
     }
 
     /// Compiles `spec`; the error says what is wrong with the grammar or schema. `max_work`

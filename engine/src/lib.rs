@@ -16,10 +16,26 @@
 //! the OpenAI-compatible HTTP API ([`server`]) and its metrics ([`metrics`]). Cost-table
 //! types come from `dspark-types`; nothing here knows about Kubernetes.
 //!
-//! Layering: `kernels` <- `model` <- `speculative` <- `engine` <- `server`; `runtime` wires
-//! them for `serve`; `loader` sits below `engine` (profiling and `dspark-train` load through
-//! it, never through `runtime` or `server`); nothing below `engine` imports from it or from
-//! `server`. `unsafe` lives only in
+//! Layers, lowest first: a module imports from its own layer and the ones below, never from
+//! a higher one (`tests/layers.rs` reads this list and checks every `crate::` path outside
+//! test code; the binary's subcommands, `src/cli/`, sit above them all):
+//! 1. `kernels`, `metrics`, `source`: CPU kernels and their thread pool, metric handles,
+//!    model sources; nothing of the engine.
+//! 2. `kv`: the paged KV cache.
+//! 3. `model`: the models' forward.
+//! 4. `tokenizer`, `chat`, `tools`, `constraint`: text in and out, chat templates, tool
+//!    calls, grammars.
+//! 5. `sampling`, `cost`: token choice; the cost table in force.
+//! 6. `speculative`: drafters, the verify scheduler, lossless verification.
+//! 7. `experiment`, `loader`, `profile`: the policy experiment; loading (profiling and
+//!    `dspark-train` load through it, never through `runtime` or `server`); SPS(B)
+//!    measurement.
+//! 8. `engine`: the step loop.
+//! 9. `server`: the HTTP API.
+//! 10. `runtime`: the `serve` wiring.
+//! 11. `testutil`: fixtures, for tests only.
+//!
+//! `unsafe` lives only in
 //! `kernels` (SIMD, the thread pool) and `model` (memory-mapped weights, SIMD attention),
 //! each block with its SAFETY note; every other module forbids it. Even inside an
 //! `unsafe fn`, an unsafe operation needs its own `unsafe` block and note

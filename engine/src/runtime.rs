@@ -278,6 +278,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         max_seq,
         draining: AtomicBool::new(false),
         inflight: AtomicUsize::new(0),
+        shutdown: Default::default(),
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

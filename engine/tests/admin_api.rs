@@ -6,12 +6,12 @@
 
 mod common;
 
+use common::http::{client, get_json};
 use common::{metric, serve, Server};
 use dspark_engine::engine::EngineConfig;
-use dspark_engine::runtime::{self, AppOptions};
+use dspark_engine::runtime::AppOptions;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use serde_json::{json, Value};
-use std::time::Duration;
 
 const TOKEN: &str = "s3cret-token";
 
@@ -25,28 +25,16 @@ fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
 }
 
 fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: bool) -> Engine {
-    dspark_engine::loader::init_threads(None);
-    let (state, _) = runtime::start(&AppOptions {
-        model: common::smollm2(),
-        model_id: None,
-        device: "cpu".into(),
+    let state = common::engine::start(AppOptions {
         served_model_name: Some("smollm2".into()),
-        kv_cache_mb: 64,
-        kv_block_size: 16,
-        kv_cache_dtype: candle_core::DType::F16,
-        max_model_len: Some(1024),
         engine: EngineConfig {
             speculation,
             policy,
             ..Default::default()
         },
-        show_progress: false,
-        drafter: None,
-        cost_table: None,
         startup_profile,
-        shipped_drafter: None,
-    })
-    .expect("engine starts");
+        ..common::engine::options(common::smollm2())
+    });
     Engine {
         admin: serve(dspark_engine::server::admin::router(
             state.clone(),
@@ -54,13 +42,6 @@ fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: b
         )),
         api: serve(dspark_engine::server::router(state)),
     }
-}
-
-fn client() -> reqwest::blocking::Client {
-    reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()
-        .unwrap()
 }
 
 fn admin(e: &Engine, method: &str, path: &str, token: Option<&str>, body: &str) -> (u16, Value) {
@@ -78,16 +59,7 @@ fn admin(e: &Engine, method: &str, path: &str, token: Option<&str>, body: &str) 
 }
 
 fn metrics_text(e: &Engine) -> String {
-    client()
-        .get(format!("{}/metrics", e.api.base))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
-fn get_json(url: String) -> Value {
-    client().get(url).send().unwrap().json().unwrap()
+    common::http::metrics_page(&e.api.base)
 }
 
 fn table(model_id: &str, points: &[(u32, f64)]) -> String {

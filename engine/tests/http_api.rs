@@ -2,9 +2,10 @@
 
 mod common;
 
+use common::http::{client, post, sse};
 use common::{metric, Server};
 use dspark_engine::engine::EngineConfig;
-use dspark_engine::runtime::{self, AppOptions};
+use dspark_engine::runtime::AppOptions;
 use serde_json::{json, Value};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -24,25 +25,14 @@ fn start_state(
     kv_mb: usize,
     drafter: Option<std::path::PathBuf>,
 ) -> std::sync::Arc<dspark_engine::server::AppState> {
-    dspark_engine::loader::init_threads(None);
-    let (state, _) = runtime::start(&AppOptions {
-        model: common::smollm2(),
-        model_id: None,
-        device: "cpu".into(),
+    common::engine::start(AppOptions {
         served_model_name: Some("smollm2".into()),
         kv_cache_mb: kv_mb,
-        kv_block_size: 16,
-        kv_cache_dtype: candle_core::DType::F16,
         max_model_len: Some(2048),
         engine,
-        show_progress: false,
         drafter,
-        cost_table: None,
-        startup_profile: false,
-        shipped_drafter: None,
+        ..common::engine::options(common::smollm2())
     })
-    .expect("engine starts");
-    state
 }
 
 /// An engine speculating with the shipped DSpark drafter, verifying 4 drafts per block.
@@ -68,29 +58,7 @@ fn server() -> &'static Server {
 
 /// The engine's `/metrics` page.
 fn metrics_text(s: &Server) -> String {
-    client()
-        .get(format!("{}/metrics", s.base))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
-fn client() -> reqwest::blocking::Client {
-    reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()
-        .unwrap()
-}
-
-fn post(base: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = client()
-        .post(format!("{base}{path}"))
-        .json(&body)
-        .send()
-        .unwrap();
-    let code = r.status().as_u16();
-    (code, r.json().unwrap_or(Value::Null))
+    common::http::metrics_page(&s.base)
 }
 
 fn chat(content: &str, extra: Value) -> Value {
@@ -99,21 +67,6 @@ fn chat(content: &str, extra: Value) -> Value {
         body[k] = v.clone();
     }
     body
-}
-
-/// SSE `data:` payloads of a streaming response.
-fn sse(base: &str, path: &str, body: Value) -> Vec<String> {
-    let text = client()
-        .post(format!("{base}{path}"))
-        .json(&body)
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
-    text.lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(String::from)
-        .collect()
 }
 
 #[test]

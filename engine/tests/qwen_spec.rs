@@ -6,11 +6,9 @@
 
 mod common;
 
-use dspark_engine::engine::{EngineConfig, Event, GenRequest};
-use dspark_engine::runtime::{self, AppOptions};
-use dspark_engine::sampling::SamplingParams;
+use dspark_engine::engine::EngineConfig;
+use dspark_engine::runtime::AppOptions;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
-use std::time::Instant;
 
 const MAX_TOKENS: usize = 40;
 
@@ -31,74 +29,36 @@ fn prompts() -> Vec<String> {
 }
 
 fn start(engine: EngineConfig) -> std::sync::Arc<dspark_engine::server::AppState> {
-    dspark_engine::loader::init_threads(None);
-    runtime::start(&AppOptions {
-        model: common::qwen15(),
-        model_id: None,
-        device: "cpu".into(),
-        served_model_name: None,
+    common::engine::start(AppOptions {
         kv_cache_mb: 128,
-        kv_block_size: 16,
-        kv_cache_dtype: candle_core::DType::F16,
-        max_model_len: Some(1024),
         engine: EngineConfig {
             max_batch_tokens: 1024,
             ..engine
         },
-        show_progress: false,
-        drafter: None,
-        cost_table: None,
-        startup_profile: false,
-        shipped_drafter: None,
+        ..common::engine::options(common::qwen15())
     })
-    .unwrap()
-    .0
 }
 
 /// Chat-templated greedy answers of every prompt, submitted at once: (text, draft tokens,
 /// accepted draft tokens).
 fn answers(state: &dspark_engine::server::AppState) -> Vec<(String, usize, usize)> {
-    let rxs: Vec<_> = prompts()
+    let ids = prompts()
         .iter()
         .map(|p| {
             let msgs = [dspark_engine::chat::ChatMessage::text("user", p.clone())];
             let text = state.template.render(&msgs, true).unwrap();
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            state
-                .engine
-                .submit(GenRequest {
-                    prompt: state.tok.encode(&text, false).unwrap(),
-                    params: SamplingParams {
-                        temperature: 0.0,
-                        ..Default::default()
-                    },
-                    max_tokens: MAX_TOKENS,
-                    stop: vec![],
-                    logprobs: None,
-                    ignore_eos: false,
-                    events: tx,
-                    arrived: Instant::now(),
-                    span: tracing::Span::none(),
-                    operation: "chat.completion",
-                    constraint: None,
-                })
-                .unwrap();
-            rx
+            state.tok.encode(&text, false).unwrap()
         })
         .collect();
-    rxs.into_iter()
-        .map(|mut rx| {
-            let mut text = String::new();
-            loop {
-                match rx.blocking_recv().expect("engine answers") {
-                    Event::Delta { text: t, .. } => text.push_str(&t),
-                    Event::Finished { usage, .. } => {
-                        return (text, usage.draft_tokens, usage.accepted_draft_tokens)
-                    }
-                    Event::Error(e) => panic!("engine error: {e}"),
-                }
-            }
-        })
+    let submit = common::engine::Submit {
+        params: &common::engine::greedy(),
+        max_tokens: MAX_TOKENS,
+        ignore_eos: false,
+        operation: "chat.completion",
+    };
+    common::engine::generate_all(state, ids, &submit)
+        .into_iter()
+        .map(|(text, u)| (text, u.draft_tokens, u.accepted_draft_tokens))
         .collect()
 }
 

@@ -17,26 +17,24 @@
 //! them (no mirror of the reference repositories) does the test say so and pass, unless
 //! `DSPARK_REQUIRE_REFERENCE=1`.
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
-use dspark_engine::engine::{EngineConfig, Event, GenRequest};
+use dspark_engine::engine::EngineConfig;
 use dspark_engine::kv::KvCache;
 use dspark_engine::model::{Model, SeqBatch};
-use dspark_engine::runtime::{self, AppOptions};
-use dspark_engine::sampling::SamplingParams;
+use dspark_engine::runtime::AppOptions;
 use dspark_engine::speculative::dspark::{DSparkDrafter, Layout};
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::Instant;
 
 /// Largest |diff| accepted between the engine and the reference, f32 on both sides.
 const TOL: f32 = 1e-4;
 
 fn cache_dir() -> PathBuf {
-    std::env::var_os("DSPARK_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/dspark"))
+    common::cache_dir()
 }
 
 /// The reference outputs, generated once per test binary; None (with a message) when the
@@ -341,14 +339,8 @@ fn serve_greedy(
     drafter: Option<PathBuf>,
     prompts: &[Vec<u32>],
 ) -> Vec<(String, usize)> {
-    dspark_engine::loader::init_threads(None);
-    let (state, _) = runtime::start(&AppOptions {
-        model: model.to_path_buf(),
-        model_id: None,
-        device: "cpu".into(),
-        served_model_name: None,
+    let state = common::engine::start(AppOptions {
         kv_cache_mb: 16,
-        kv_block_size: 16,
         kv_cache_dtype: DType::F32,
         max_model_len: Some(256),
         engine: EngineConfig {
@@ -356,13 +348,9 @@ fn serve_greedy(
             policy,
             ..Default::default()
         },
-        show_progress: false,
         drafter,
-        cost_table: None,
-        startup_profile: false,
-        shipped_drafter: None,
-    })
-    .unwrap();
+        ..common::engine::options(model.to_path_buf())
+    });
     // A flat cost table (verifying more tokens is free, drafting nearly so): the dspark
     // policy then drafts even with these untrained drafters.
     let mut draft = Vec::new();
@@ -377,48 +365,16 @@ fn serve_greedy(
         "points": (0..=10).map(|i| (1u32 << i, 100.0)).collect::<Vec<_>>(),
         "draft_points": draft,
     });
-    state
-        .costs
-        .install(&table.to_string(), dspark_types::CostTableSource::Admin)
-        .unwrap();
-    let params = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
+    common::engine::install_table(&state, &table.to_string());
+    let submit = common::engine::Submit {
+        params: &common::engine::greedy(),
+        max_tokens: 24,
+        ignore_eos: true,
+        operation: "text_completion",
     };
-    let rxs: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            state
-                .engine
-                .submit(GenRequest {
-                    prompt: p.clone(),
-                    params: params.clone(),
-                    max_tokens: 24,
-                    stop: vec![],
-                    logprobs: None,
-                    ignore_eos: true,
-                    events: tx,
-                    arrived: Instant::now(),
-                    span: tracing::Span::none(),
-                    operation: "text_completion",
-                    constraint: None,
-                })
-                .unwrap();
-            rx
-        })
-        .collect();
-    rxs.into_iter()
-        .map(|mut rx| {
-            let mut text = String::new();
-            loop {
-                match rx.blocking_recv().expect("engine answers") {
-                    Event::Delta { text: t, .. } => text.push_str(&t),
-                    Event::Finished { usage, .. } => return (text, usage.draft_tokens),
-                    Event::Error(e) => panic!("engine error: {e}"),
-                }
-            }
-        })
+    common::engine::generate_all(&state, prompts.to_vec(), &submit)
+        .into_iter()
+        .map(|(text, u)| (text, u.draft_tokens))
         .collect()
 }
 

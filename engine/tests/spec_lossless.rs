@@ -4,12 +4,11 @@
 
 mod common;
 
-use dspark_engine::engine::{EngineConfig, Event, GenRequest, Usage};
-use dspark_engine::runtime::{self, AppOptions};
+use dspark_engine::engine::{EngineConfig, Usage};
+use dspark_engine::runtime::AppOptions;
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use std::sync::OnceLock;
-use std::time::Instant;
 
 const MAX_TOKENS: usize = 16;
 
@@ -151,35 +150,17 @@ fn start_with(
     table: Option<&dyn Fn(&str) -> String>,
     kv_mb: usize,
 ) -> std::sync::Arc<dspark_engine::server::AppState> {
-    dspark_engine::loader::init_threads(None);
-    let (state, _) = runtime::start(&AppOptions {
-        model: common::smollm2(),
-        model_id: None,
-        device: "cpu".into(),
-        served_model_name: None,
+    let state = common::engine::start(AppOptions {
         kv_cache_mb: kv_mb,
-        kv_block_size: 16,
-        kv_cache_dtype: candle_core::DType::F16,
-        max_model_len: Some(1024),
         engine: EngineConfig {
             max_batch_tokens: 1024,
             ..cfg
         },
-        show_progress: false,
         drafter,
-        cost_table: None,
-        startup_profile: false,
-        shipped_drafter: None,
-    })
-    .unwrap();
+        ..common::engine::options(common::smollm2())
+    });
     if let Some(t) = table {
-        state
-            .costs
-            .install(
-                &t(&state.target_model_id),
-                dspark_types::CostTableSource::Admin,
-            )
-            .unwrap();
+        common::engine::install_table(&state, &t(&state.target_model_id));
     }
     state
 }
@@ -191,40 +172,17 @@ fn submit_all(
     max_tokens: usize,
     params: &SamplingParams,
 ) -> Vec<(String, Usage)> {
-    let mut rxs = Vec::new();
-    for p in prompts {
-        let prompt = state.tok.encode(p, state.tok.add_bos).unwrap();
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        state
-            .engine
-            .submit(GenRequest {
-                prompt,
-                params: params.clone(),
-                max_tokens,
-                stop: vec![],
-                logprobs: None,
-                ignore_eos: false,
-                events: tx,
-                arrived: Instant::now(),
-                span: tracing::Span::none(),
-                operation: "text_completion",
-                constraint: None,
-            })
-            .unwrap();
-        rxs.push(rx);
-    }
-    rxs.into_iter()
-        .map(|mut rx| {
-            let mut text = String::new();
-            loop {
-                match rx.blocking_recv().expect("engine answers") {
-                    Event::Delta { text: t, .. } => text.push_str(&t),
-                    Event::Finished { usage, .. } => return (text, usage),
-                    Event::Error(e) => panic!("engine error: {e}"),
-                }
-            }
-        })
-        .collect()
+    let ids = prompts
+        .iter()
+        .map(|p| state.tok.encode(p, state.tok.add_bos).unwrap())
+        .collect();
+    let submit = common::engine::Submit {
+        params,
+        max_tokens,
+        ignore_eos: false,
+        operation: "text_completion",
+    };
+    common::engine::generate_all(state, ids, &submit)
 }
 
 /// Plain decoding of the test prompts (computed once per test binary).

@@ -79,7 +79,7 @@ pub fn quantize_rows<K: Kernel>(x: &[f32], m: usize, k: usize) -> Vec<K::A> {
     let nb = k / K::BLOCK;
     let mut acts = vec![K::A::default(); m * nb];
     let ptr = pool::SharedMut::new(&mut acts);
-    pool::for_rows(m, crate::model::ops::PAR_ROWS, 1, &|r0, r1| {
+    pool::for_rows(m, pool::PAR_ROWS, 1, &|r0, r1| {
         // SAFETY: this range writes only rows r0..r1's blocks.
         let a = unsafe { ptr.slice(r0 * nb, (r1 - r0) * nb) };
         for (a, x) in a.chunks_mut(nb).zip(x[r0 * k..r1 * k].chunks(k)) {

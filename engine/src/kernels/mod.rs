@@ -15,6 +15,7 @@
 //!   rows per vector for AVX2, 16 for AVX-512 VNNI; Q4_K and Q6_K, 16 rows for AVX-512
 //!   VNNI), used when the caller supplies the packed copy for the ISA in use.
 //! - [`vmath`]: vectorised exp, softmax and SwiGLU for the rest of the forward.
+//! - [`write_rows`]: rows written into a KV cache tensor in place.
 //!
 //! Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K. Anything else stays with candle's
 //! `QMatMul` (see `model::linear`).
@@ -26,6 +27,7 @@ pub mod packed;
 pub mod pool;
 pub mod q8;
 pub mod vmath;
+pub mod write_rows;
 
 use candle_core::quantized::GgmlDType;
 pub use matmul::Isa;

@@ -27,6 +27,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+/// Token rows per parallel range of the per-row ops (a row is a few hundred values, well
+/// under a microsecond; fewer than twice this many stay on the calling thread).
+pub const PAR_ROWS: usize = 8;
+
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(300);
 /// A wait for other threads' tasks this much longer than three of the caller's own tasks

@@ -140,7 +140,7 @@ impl KvCache {
                 self.v[layer].scatter_set(slot_idx, &v.contiguous()?, 0)
             }
             None => {
-                let op = crate::model::ops::WriteRows { slots: &idx.slots };
+                let op = crate::kernels::write_rows::WriteRows { slots: &idx.slots };
                 let f32_rows = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
                 self.k[layer].inplace_op2(&f32_rows(k)?, &op)?;
                 self.v[layer].inplace_op2(&f32_rows(v)?, &op)

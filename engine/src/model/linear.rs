@@ -194,12 +194,17 @@ pub fn forward_glu(gate: &Linear, up: &Linear, x: &Tensor, act: Activation) -> R
     // Ranges start on multiples of 8 values (the vector width of `silu_mul`).
     let align = (1..=8).find(|a| (a * width).is_multiple_of(8)).unwrap_or(8);
     let gp = crate::kernels::pool::SharedMut::new(&mut g);
-    crate::kernels::pool::for_rows(rows, super::ops::PAR_ROWS / 2, align, &|r0, r1| {
-        let (a, b) = (r0 * width, r1 * width);
-        // SAFETY: this range covers a..b of `g` only.
-        let g = unsafe { gp.slice(a, b - a) };
-        f(g, &u[a..b])
-    });
+    crate::kernels::pool::for_rows(
+        rows,
+        crate::kernels::pool::PAR_ROWS / 2,
+        align,
+        &|r0, r1| {
+            let (a, b) = (r0 * width, r1 * width);
+            // SAFETY: this range covers a..b of `g` only.
+            let g = unsafe { gp.slice(a, b - a) };
+            f(g, &u[a..b])
+        },
+    );
     let mut shape = dims;
     *shape.last_mut().expect("rank >= 1") = gate.kernel.as_ref().map_or(0, |o| o.n);
     Tensor::from_vec(g, shape, &Device::Cpu)

@@ -139,6 +139,7 @@ pub async fn respond<R: Render>(
             let mut params = v.params.clone();
             params.seed = params.seed.map(|s| s.wrapping_add(k as u64));
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            st.shutdown.track(&tx);
             // With several choices each gets its own child span (the engine records a
             // sequence's usage on its span).
             let seq_span = if several {
@@ -350,10 +351,11 @@ async fn collect(
     Err(failed(st, "the engine dropped the request".into()))
 }
 
-/// A request the engine failed: 503 when the engine itself has died (the replica is out of
-/// service; another may answer), 500 when only this request failed.
+/// A request the engine failed: 503 when the engine itself has died or the server ended it
+/// at its drain deadline (the replica is out of service; another may answer), 500 when only
+/// this request failed.
 fn failed(st: &AppState, e: String) -> ApiError {
-    if st.engine.failure().is_some() {
+    if st.engine.failure().is_some() || st.shutdown.cancelled() {
         ApiError::unavailable(e)
     } else {
         ApiError::internal(e)

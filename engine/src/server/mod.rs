@@ -6,7 +6,7 @@
 //! engine's events come back as SSE chunks or one answer, typed in [`openai`]. Dropping the
 //! response (client gone) drops the event receivers, which the engine notices at its next
 //! step and frees the sequences' KV blocks. Probes, metrics and `/v1/models` live here;
-//! the cost-table admin API in [`admin`].
+//! the cost-table admin API in [`admin`]; the drain on SIGTERM in [`shutdown`].
 
 pub mod admin;
 mod chat;
@@ -14,6 +14,7 @@ mod completions;
 pub mod error;
 mod generate;
 pub mod openai;
+pub mod shutdown;
 mod tokenize;
 
 use crate::chat::ChatTemplate;
@@ -50,8 +51,11 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Longest prompt + completion one request may use.
     pub max_seq: usize,
+    /// Set on SIGTERM: `/ready` and new requests answer 503 ([`shutdown`]).
     pub draining: AtomicBool,
     pub inflight: AtomicUsize,
+    /// The requests in flight as a drain ends them at its deadline.
+    pub shutdown: shutdown::Shutdown,
     pub created: u64,
     /// Extra facts for `/ready` (speculation, cost table...), set by the serve command.
     pub ready_details: std::sync::RwLock<Value>,
@@ -75,8 +79,8 @@ pub struct Limits {
 
 /// `--max-request-bytes` by default: 2 MiB (axum's own default limit).
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
-/// `--max-grammar-work` by default.
-pub const DEFAULT_MAX_GRAMMAR_WORK: u64 = 1_000_000;
+/// `--max-grammar-work` by default (the constraint layer's own default).
+pub use crate::constraint::DEFAULT_MAX_GRAMMAR_WORK;
 /// `--engine-stall-secs` by default: far longer than any step.
 pub const DEFAULT_ENGINE_STALL_SECS: u64 = 120;
 

@@ -1,6 +1,18 @@
-//! Shared helpers for the engine's integration tests: the real model files fetched by
-//! `scripts/fetch-models.sh` (tests fail, not skip, when they are missing).
+//! The one harness of the engine's integration tests: the real model files fetched by
+//! `scripts/fetch-models.sh` (tests fail, not skip, when they are missing) and llama.cpp's
+//! references (here), an engine started in process and fed requests directly ([`engine`]),
+//! its API served on a loopback port and the HTTP helpers that talk to it ([`http`]), and
+//! the engine binary run as a process ([`process`]: `serve` on a free port, ready, killed on
+//! drop).
 #![allow(dead_code)]
+
+pub mod engine;
+pub mod http;
+pub mod process;
+
+// Not every test binary uses them.
+#[allow(unused_imports)]
+pub use http::{metric, serve, Server};
 
 use std::path::PathBuf;
 
@@ -64,40 +76,4 @@ pub fn reference_variant(
         )
     });
     serde_json::from_str(&text).expect("reference JSON parses")
-}
-
-/// An axum router served on a loopback port by its own runtime (kept alive by the value).
-pub struct Server {
-    pub base: String,
-    _rt: tokio::runtime::Runtime,
-}
-
-pub fn serve(app: axum::Router) -> Server {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    rt.spawn(async move { axum::serve(listener, app).await });
-    Server {
-        base: format!("http://{addr}"),
-        _rt: rt,
-    }
-}
-
-/// Value of the first sample of metric `name` in Prometheus text (NaN when absent).
-pub fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| {
-            l.starts_with(name)
-                && (l.as_bytes().get(name.len()) == Some(&b' ')
-                    || l.as_bytes().get(name.len()) == Some(&b'{'))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
 }

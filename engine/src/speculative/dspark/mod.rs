@@ -39,7 +39,6 @@
 //! holds the drafter itself and the small numeric helpers they share.
 
 mod config;
-pub mod convert;
 mod forward;
 mod head;
 pub mod layout;

@@ -2,9 +2,9 @@
 //! compact form, DeepSpec DSpark, z-lab DFlash) and/or with a compact W1. Serving-side: it
 //! needs the target and the drafter's loaders, nothing of training.
 
-use super::{DSparkDrafter, Layout};
-use crate::loader;
 use anyhow::{ensure, Result};
+use dspark_engine::loader;
+use dspark_engine::speculative::dspark::{DSparkDrafter, Layout};
 use std::path::PathBuf;
 
 /// `dspark-engine convert`: the arguments.
