@@ -1735,3 +1735,33 @@ fn a_stalled_engine_fails_the_probes_until_it_moves() {
     until("/health", 200);
     assert_eq!(probe("/ready"), 200);
 }
+
+/// `tool_choice: auto` without `parallel_tool_calls`: once the model has written a complete
+/// call its answer ends there, with that one call and `finish_reason: "tool_calls"`, streamed
+/// or not. It used to write on until `max_tokens` (`length`): here a regex makes the model
+/// write a call and then lets it write text for ever (`ignore_eos`), so without the stop at
+/// the call's close tag every answer would run to the limit.
+#[test]
+fn an_auto_call_without_parallel_calls_ends_the_choice() {
+    let s = server();
+    let call = r#"<tool_call>\n\{"name":"get_weather","arguments":\{"city":"Paris","unit":"celsius"\}\}\n</tool_call>"#;
+    for seed in 0..3 {
+        let mut body = chat(
+            "What is the weather in Paris?",
+            json!({"max_tokens": 80, "ignore_eos": true, "temperature": 0.8, "seed": seed,
+                "tools": weather_tools(), "tool_choice": "auto", "parallel_tool_calls": false,
+                "guided_regex": format!("{call}[a-z<>/ \\n]*")}),
+        );
+        let (code, r) = post(&s.base, "/v1/chat/completions", body.clone());
+        assert_eq!(code, 200, "{r}");
+        let calls = calls_of(&r);
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_eq!(calls[0].0, "get_weather");
+        assert!(r["choices"][0]["message"]["content"].is_null(), "{r}");
+        body["stream"] = json!(true);
+        assert_eq!(
+            streamed_calls(&sse(&s.base, "/v1/chat/completions", body)),
+            calls
+        );
+    }
+}

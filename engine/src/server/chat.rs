@@ -133,6 +133,11 @@ pub(super) async fn chat_completions(
         }
     }
     let active = tools.filter(|t| t.active());
+    if let Some(t) = &active {
+        if auto_stops_after_one_call(t) {
+            v.stop.push(crate::tools::CLOSE.to_string());
+        }
+    }
     let logprobs = if req.logprobs.unwrap_or(false) {
         let k = req.top_logprobs.unwrap_or(0);
         if !(0..=20).contains(&k) {
@@ -410,6 +415,15 @@ fn split_calls(
         Some(calls),
         reason,
     )
+}
+
+/// Whether the answer ends at the close of its first call: `tool_choice: auto` without
+/// `parallel_tool_calls`, where the model is free to write but one call is all it may make.
+/// The close tag is then a stop string (the splitter reads the unclosed block as the call,
+/// and the choice ends with `tool_calls`) rather than text the model writes past until
+/// `max_tokens`. Forced calls need none: their grammar ends after the last call allowed.
+fn auto_stops_after_one_call(t: &ToolSet) -> bool {
+    matches!(t.choice, ToolChoice::Auto) && !t.parallel
 }
 
 /// Most tools one request may offer (OpenAI's limit).
