@@ -663,3 +663,170 @@ fn eviction_under_a_tiny_kv_budget_keeps_every_output() {
     println!("{evictions} evictions, {preemptions} preemptions");
     assert!(evictions > 0.0, "the tiny cache never evicted");
 }
+
+/// Generated token ids of `n` requests for `prompt`, seeds `0..n`, sampled under `params`
+/// with at most `max_tokens` tokens each, on `state`; also the drafted and accepted totals.
+fn sampled_tokens(
+    state: &dspark_engine::server::AppState,
+    prompt: &str,
+    n: u64,
+    max_tokens: usize,
+    params: &SamplingParams,
+) -> (Vec<Vec<u32>>, usize, usize) {
+    let prompt = state.tok.encode(prompt, state.tok.add_bos).unwrap();
+    let mut rxs = Vec::new();
+    for seed in 0..n {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        state
+            .engine
+            .submit(GenRequest {
+                prompt: prompt.clone(),
+                params: SamplingParams {
+                    seed: Some(seed),
+                    ..params.clone()
+                },
+                max_tokens,
+                stop: vec![],
+                logprobs: Some(0),
+                ignore_eos: true,
+                events: tx,
+                arrived: Instant::now(),
+                span: tracing::Span::none(),
+                operation: "text_completion",
+                constraint: None,
+            })
+            .unwrap();
+        rxs.push(rx);
+    }
+    let (mut drafted, mut accepted) = (0, 0);
+    let seqs = rxs
+        .into_iter()
+        .map(|mut rx| {
+            let mut ids = Vec::new();
+            loop {
+                match rx.blocking_recv().expect("engine answers") {
+                    Event::Delta { logprobs, .. } => ids.extend(logprobs.iter().map(|l| l.id)),
+                    Event::Finished { usage, .. } => {
+                        drafted += usage.draft_tokens;
+                        accepted += usage.accepted_draft_tokens;
+                        return ids;
+                    }
+                    Event::Error(e) => panic!("engine error: {e}"),
+                }
+            }
+        })
+        .collect();
+    (seqs, drafted, accepted)
+}
+
+/// Two-sample chi-square statistic of homogeneity of the token counts at each position of
+/// `a` and `b` (equal numbers of samples), tokens seen fewer than 10 times in both pooled
+/// into one cell per position: `(statistic, degrees of freedom)`.
+fn homogeneity(a: &[Vec<u32>], b: &[Vec<u32>], positions: std::ops::Range<usize>) -> (f64, usize) {
+    use std::collections::HashMap;
+    let (mut chi, mut dof) = (0.0, 0);
+    for k in positions {
+        let mut counts: HashMap<u32, (f64, f64)> = HashMap::new();
+        for s in a.iter().filter_map(|s| s.get(k)) {
+            counts.entry(*s).or_default().0 += 1.0;
+        }
+        for s in b.iter().filter_map(|s| s.get(k)) {
+            counts.entry(*s).or_default().1 += 1.0;
+        }
+        let (mut cells, mut pooled) = (Vec::new(), (0.0, 0.0));
+        for (_, (x, y)) in counts {
+            if x + y >= 10.0 {
+                cells.push((x, y));
+            } else {
+                pooled.0 += x;
+                pooled.1 += y;
+            }
+        }
+        if pooled.0 + pooled.1 > 0.0 {
+            cells.push(pooled);
+        }
+        for (x, y) in &cells {
+            chi += (x - y) * (x - y) / (x + y);
+        }
+        dof += cells.len().saturating_sub(1);
+    }
+    (chi, dof)
+}
+
+/// Upper tail of the chi-square law with `k` degrees of freedom at `x` (Wilson-Hilferty:
+/// the cube root of `x / k` is close to normal; ample for a 1e-4 threshold).
+fn chi_square_p(x: f64, k: usize) -> f64 {
+    let k = k.max(1) as f64;
+    let v = 2.0 / (9.0 * k);
+    let z = ((x / k).powf(1.0 / 3.0) - (1.0 - v)) / v.sqrt();
+    // Normal upper tail, Abramowitz-Stegun 7.1.26 on erfc(z / sqrt 2).
+    let t = z / std::f64::consts::SQRT_2;
+    let erfc = |t: f64| {
+        let s = 1.0 / (1.0 + 0.327_591_1 * t.abs());
+        let poly = s
+            * (0.254_829_592
+                + s * (-0.284_496_736
+                    + s * (1.421_413_741 + s * (-1.453_152_027 + s * 1.061_405_429))));
+        let e = poly * (-t * t).exp();
+        if t >= 0.0 {
+            e
+        } else {
+            2.0 - e
+        }
+    };
+    0.5 * erfc(t)
+}
+
+/// Sampled speculative decoding through the running engine (the shipped drafter, batched,
+/// temperature 1) produces the plain engine's token law: at each generated position, the
+/// histograms of many seeded requests' tokens agree (two-sample chi-square, p > 1e-4), and
+/// the drafter was really verified (tokens drafted and accepted). The statistic does reject
+/// different laws: plain decoding at temperature 0.7 against temperature 1.
+#[test]
+fn sampled_speculation_through_the_engine_follows_the_plain_law() {
+    const N: u64 = 600;
+    const LEN: usize = 6;
+    let prompt = "The capital of France is";
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let cfg = |speculation| EngineConfig {
+        speculation,
+        policy: VerifyPolicy::Fixed { gamma: 4 },
+        max_waiting: 4096,
+        ..Default::default()
+    };
+    let plain = start(cfg(Speculation::None), None, None);
+    let (p, _, _) = sampled_tokens(&plain, prompt, N, LEN, &params);
+    let colder = SamplingParams {
+        temperature: 0.7,
+        ..Default::default()
+    };
+    let (c, _, _) = sampled_tokens(&plain, prompt, N, LEN, &colder);
+    drop(plain);
+    let spec = start(
+        cfg(Speculation::DSparkMarkov),
+        Some(shipped_drafter()),
+        None,
+    );
+    let (s, drafted, accepted) = sampled_tokens(&spec, prompt, N, LEN, &params);
+    assert!(p.iter().chain(&s).all(|x| x.len() == LEN));
+    let (chi, dof) = homogeneity(&p, &s, 0..LEN);
+    let pv = chi_square_p(chi, dof);
+    println!(
+        "sampled speculation vs plain: chi2 {chi:.1} over {dof} dof, p = {pv:.3e}; {accepted}/{drafted} drafts accepted"
+    );
+    assert!(drafted > N as usize && accepted > 0, "{accepted}/{drafted}");
+    assert!(
+        pv > 1e-4,
+        "speculative tokens do not follow the plain law: p = {pv:.2e}"
+    );
+    let (chi, dof) = homogeneity(&p, &c, 0..LEN);
+    let pc = chi_square_p(chi, dof);
+    println!("plain at temperature 0.7 vs 1: chi2 {chi:.1} over {dof} dof, p = {pc:.3e}");
+    assert!(
+        pc < 1e-4,
+        "the test cannot tell temperature 0.7 from 1: p = {pc:.2e}"
+    );
+}

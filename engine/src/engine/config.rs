@@ -3,7 +3,7 @@
 use crate::experiment::Arm;
 use crate::speculative::{Speculation, VerifyPolicy};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(Debug, Clone)]
@@ -33,12 +33,36 @@ pub struct EngineConfig {
 }
 
 /// Test-only fault injection: a test keeps a clone and trips a fault in the running engine
-/// to check what the server does then (no `serve` flag or variable reaches it).
+/// to check what the server does then (no `serve` flag or variable reaches it): the step
+/// panics ([`Faults::panic_next_step`]), the loop stalls ([`Faults::stall_steps`]), or one
+/// sequence fails at one site of its step ([`Faults::fail_sequence`]).
 #[doc(hidden)]
 #[derive(Debug, Clone, Default)]
 pub struct Faults {
     panic_next_step: Arc<AtomicBool>,
     stall: Arc<AtomicBool>,
+    /// Any sequence fault armed (the step checks nothing else otherwise).
+    armed: Arc<AtomicBool>,
+    sequences: Arc<Mutex<Vec<SequenceFault>>>,
+}
+
+/// Where in its step a sequence fails ([`Faults::fail_sequence`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultSite {
+    /// Its drafter context (the speculator's commit of its hidden states).
+    Drafter,
+    /// Its grammar (the masks of a structured output).
+    Grammar,
+    /// Its sampling or verification (`judge`).
+    Sampling,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SequenceFault {
+    site: FaultSite,
+    request: u64,
+    after_tokens: usize,
 }
 
 impl Faults {
@@ -58,6 +82,39 @@ impl Faults {
 
     pub(super) fn stalled(&self) -> bool {
         self.stall.load(Ordering::SeqCst)
+    }
+
+    /// The `request`-th request the engine takes in (1-based, in submission order) fails at
+    /// `site` in its first step with logits after it has generated `after_tokens` tokens.
+    pub fn fail_sequence(&self, site: FaultSite, request: u64, after_tokens: usize) {
+        self.sequences
+            .lock()
+            .expect("faults lock")
+            .push(SequenceFault {
+                site,
+                request,
+                after_tokens,
+            });
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// The injected failure of sequence `id` at `site` now that it has `generated` tokens
+    /// (each fault fires once).
+    pub(super) fn check(&self, site: FaultSite, id: u64, generated: usize) -> anyhow::Result<()> {
+        if !self.armed.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut f = self.sequences.lock().expect("faults lock");
+        let hit = f
+            .iter()
+            .position(|x| x.site == site && x.request == id && generated >= x.after_tokens);
+        match hit {
+            Some(i) => {
+                f.remove(i);
+                anyhow::bail!("injected fault (test only): {site:?} failed")
+            }
+            None => Ok(()),
+        }
     }
 }
 

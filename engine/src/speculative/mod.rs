@@ -3,7 +3,13 @@
 //! distribution exactly the target's.
 //!
 //! - [`verify`]: the acceptance rule (lossless for any draft distribution).
-//! - [`ngram`]: prompt-lookup drafting, training-free.
+//! - [`acceptance`]: what a sequence commits from its logits (`judge`: sampling or the
+//!   verdict on its block, under its penalties and grammar).
+//! - [`proposer`]: who proposes drafts ([`proposer::Proposer`]): [`ngram`] prompt lookup
+//!   (training-free) or a model drafter ([`proposer::ModelProposer`]).
+//! - [`context`]: a model drafter's context bookkeeping (its KV cache per sequence, the
+//!   hidden-state backlog, prefix-key mirroring).
+//! - [`gate`]: the pure drafting gate (draft, skip, probe, early stop).
 //! - [`clock`]: drafting and verifying time measured against the cost table, so plans are
 //!   priced at what this machine does now.
 //! - [`scheduler`]: the hardware-aware prefix scheduler (`--policy dspark`).
@@ -14,9 +20,13 @@
 //! - [`dspark`]: the DSpark drafter (parallel backbone on target features + sequential head
 //!   + confidence head); with no sequential head it is the DFlash-style parallel baseline.
 
+pub mod acceptance;
 pub mod clock;
+pub mod context;
 pub mod dspark;
+pub mod gate;
 pub mod ngram;
+pub mod proposer;
 pub mod recalibrate;
 pub mod scheduler;
 pub mod speculator;

@@ -1,5 +1,45 @@
 //! Prompt-lookup drafting (training-free): find the most recent earlier occurrence of the
 //! sequence's last n tokens (longest n first) and propose the tokens that followed it.
+//! [`NgramProposer`] is the [`Proposer`] that does it for every decoding sequence (it costs
+//! nothing, so it needs no gate); its confidences are the live acceptance rates.
+
+use super::proposer::{DraftInput, DraftRun, Proposer};
+use super::speculator::Candidate;
+use super::Proposal;
+use crate::sampling::Dist;
+use anyhow::Result;
+
+/// Shortest and longest suffix the lookup tries.
+const MIN_N: usize = 1;
+const MAX_N: usize = 3;
+
+/// Prompt-lookup drafting as a [`Proposer`]: point-mass drafts.
+pub struct NgramProposer;
+
+impl Proposer for NgramProposer {
+    fn propose(
+        &mut self,
+        cands: &mut [Candidate<'_>],
+        gamma: &[usize],
+        input: DraftInput<'_>,
+    ) -> Result<DraftRun> {
+        let mut run = DraftRun::none(cands.len());
+        for ((o, c), &g) in run.blocks.iter_mut().zip(cands.iter()).zip(gamma) {
+            if g == 0 {
+                continue;
+            }
+            let tokens = propose(c.tokens, g, MIN_N, MAX_N);
+            if !tokens.is_empty() {
+                *o = Some(Proposal {
+                    q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
+                    confidence: (0..tokens.len()).map(|k| (input.rate)(k)).collect(),
+                    tokens,
+                });
+            }
+        }
+        Ok(run)
+    }
+}
 
 /// Proposes up to `k` tokens for `tokens` (prompt + generated so far), trying suffix
 /// lengths from `max_n` down to `min_n`.

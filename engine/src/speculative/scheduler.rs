@@ -143,29 +143,6 @@ pub fn plan_drafts(
     best
 }
 
-/// Whether a probe can pay at this load: a drafter that is never wrong (every survival 1,
-/// up to each candidate's cap) would beat plain decoding by `margin` under the same prices
-/// ([`plan_drafts`]). When even it would not (the batch is past the point where extra
-/// tokens are cheap, or drafting costs more than any block can return), a probe's fresher
-/// estimates could not change the decision, so the probe is skipped and the step stays
-/// plain. Pure.
-pub fn probe_pays(
-    caps: &[usize],
-    base_b: usize,
-    max_b: usize,
-    sps: &dyn Fn(usize) -> f64,
-    t_draft: DraftCost<'_>,
-    margin: f64,
-) -> bool {
-    let perfect: Vec<Vec<f64>> = caps.iter().map(|&c| vec![1.0; c]).collect();
-    let plain_rate = caps.len() as f64 * sps(base_b.max(1));
-    if drafting_bound(&perfect, base_b, max_b, sps) < plain_rate * (1.0 + margin) {
-        return false;
-    }
-    let plan = plan_drafts(&perfect, base_b, max_b, sps, t_draft);
-    plan.drafting() > 0 && plan.rate >= plan.plain_rate * (1.0 + margin)
-}
-
 /// An upper bound on the expected committed tokens per second of every plan that drafts:
 /// `max_k (R + S_k) * SPS(base_b + k)` over `k = 1..` extra tokens within `max_b`, where `S_k`
 /// is the sum of the `k` highest survivals (a verified token commits at most its survival)
@@ -288,6 +265,7 @@ pub fn schedule(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::speculative::gate::probe_pays;
     use proptest::prelude::*;
 
     /// Theta of a verify-length vector.
@@ -520,30 +498,6 @@ mod tests {
             }
         }
         best
-    }
-
-    /// A probe runs only where a perfect drafter would pay: cheap extra tokens (flat table)
-    /// yes; a table where each extra token costs a whole step, a saturated one (token
-    /// throughput flat from B = 4), or a draft dearer than any block returns, no.
-    #[test]
-    fn probes_only_where_a_perfect_drafter_pays() {
-        let free = |_: usize, _: usize| 0.0;
-        let flat = |_: usize| 100.0;
-        assert!(probe_pays(&[4], 1, 64, &flat, &free, 0.03));
-        assert!(probe_pays(&[4, 4, 4], 3, 64, &flat, &free, 0.03));
-        let steep = |b: usize| 100.0 / b as f64;
-        assert!(!probe_pays(&[4], 1, 64, &steep, &free, 0.03));
-        assert!(!probe_pays(&[4; 8], 8, 64, &steep, &free, 0.03));
-        // Saturated: 400 tokens/s from B = 4 on. One stream still gains (B = 1..4 cheap),
-        // 16 streams cannot, whatever the acceptance.
-        let sat = |b: usize| if b <= 4 { 100.0 } else { 400.0 / b as f64 };
-        assert!(probe_pays(&[4], 1, 64, &sat, &free, 0.03));
-        assert!(!probe_pays(&[4; 16], 16, 64, &sat, &free, 0.03));
-        // Drafting that costs 10 steps per call never pays back.
-        let dear = |n: usize, _: usize| if n > 0 { 0.1 } else { 0.0 };
-        assert!(!probe_pays(&[4], 1, 64, &flat, &dear, 0.03));
-        // Nothing to draft (every cap 0): no probe.
-        assert!(!probe_pays(&[0, 0], 2, 64, &flat, &free, 0.03));
     }
 
     /// The case CI's property run found: Theta falls, then rises (SPS drops 1.9x from B = 4

@@ -1,60 +1,42 @@
-//! The speculation component of the step loop: it owns the drafter and its context KV cache,
-//! every sequence's drafting state, the drafting gate, the live acceptance statistics and the
-//! online recalibration. The step loop calls four methods on it:
+//! The speculation component of the step loop: it owns the proposer (by role: n-gram or a
+//! model drafter, [`super::proposer`]), the model drafter's context ([`DrafterContext`]),
+//! every sequence's acceptance memory, the drafting gate's counters ([`super::gate`]), the
+//! live acceptance statistics and the online recalibration. The step loop calls four
+//! methods on it:
 //!
-//! - [`Speculator::propose`]: decides who drafts ([`scheduler::plan_drafts`], draft time
-//!   priced from the cost table) and runs the drafter for them only;
+//! - [`Speculator::propose`]: the gate decides who drafts (draft time priced from the cost
+//!   table) and the proposer runs for them only;
 //! - [`Speculator::plan`]: the policy's verify lengths for the drafted blocks;
 //! - [`Speculator::commit`]: a sequence's forward outcome (its hidden states, how many fed
 //!   positions stay valid, the verify verdict);
 //! - [`Speculator::release`]: a sequence left (finished, cancelled, preempted).
 //!
 //! A step in which the plan drafts nothing runs no drafter code at all (counted by
-//! [`Speculator::drafter_calls`]): committed hidden-state rows wait per sequence and are
+//! [`Speculator::drafter_calls`]): committed hidden-state rows wait in the context and are
 //! written into the drafter cache by the next drafting call, whose measured time includes
-//! them. A backlog that grows past [`DETACH_ROWS`] (the drafter stayed off for that long) is
-//! dropped and that sequence decodes plainly to its end, so memory stays bounded.
+//! them.
 
 use super::clock::{priced_sps, DraftClock, StepClock};
-use super::dspark::{ContextFeed, DSparkDrafter, DraftRequest, ProposeOptions};
+use super::context::DrafterContext;
+pub use super::context::{Drafter, DETACH_ROWS};
+pub use super::gate::DRAFT_PROBE;
+use super::gate::{decide, GateInput, Verdict};
+use super::ngram::NgramProposer;
+use super::proposer::{DraftInput, ModelProposer, Proposer};
+pub use super::proposer::{FEED_BACKLOG_ROWS, FEED_ROWS_PER_CALL};
 use super::recalibrate::OnlineCalibration;
-use super::scheduler::{plan_drafts, predicted_survival, probe_pays};
-use super::{is_greedy, ngram, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
+use super::scheduler::predicted_survival;
+use super::{is_greedy, AcceptanceStats, Proposal, Speculation, VerifyPolicy};
 use crate::cost::ActiveTable;
-use crate::kv::KvCache;
 use crate::metrics::{Metrics, ModePositionLabel, PositionLabel, StepKindLabel};
 use crate::model::Model;
-use crate::sampling::{Dist, SamplingParams};
+use crate::sampling::SamplingParams;
 use anyhow::Result;
 use candle_core::Tensor;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// A model drafter with its own context KV cache (fed with the target's hidden states).
-pub struct Drafter {
-    pub model: DSparkDrafter,
-    pub kv: KvCache,
-}
-
-/// Steps in a row without drafting after which one sequence drafts anyway (a probe), so the
-/// acceptance estimates keep up with the traffic. A probe drafts ONE sequence and is timed
-/// and counted like any draft.
-pub const DRAFT_PROBE: usize = 16;
-
-/// A held backlog this long (rows) is written into the drafter cache by the next drafting
-/// call the plan chose (not a probe) even when its sequence does not draft then
-/// (piggybacked, at most [`FEED_ROWS_PER_CALL`] such rows per call).
-pub const FEED_BACKLOG_ROWS: usize = 2 * DRAFT_PROBE;
-/// Most piggybacked backlog rows per drafting call, so no single step pays a large feed.
-pub const FEED_ROWS_PER_CALL: usize = 256;
-/// A sequence whose backlog reaches this many rows loses its drafter context and decodes
-/// plainly until it ends.
-pub const DETACH_ROWS: usize = 1024;
-
-/// Relative gain over plain decoding a drafting plan must promise to run.
-const PLAN_MARGIN: f64 = 0.03;
 
 /// Half-life, in verified blocks, of a sequence's own acceptance memory.
 const OWN_HALF_LIFE: f64 = 8.0;
@@ -95,28 +77,14 @@ pub struct Verified<'a> {
     pub accepted: usize,
 }
 
-/// One sequence's speculation state.
+/// One sequence's speculation state besides its drafter context.
 struct SeqState {
-    /// Block table in the drafter's context cache.
-    draft_blocks: Vec<u32>,
-    /// The drafter's context feature of the last position fed (context-input drafters).
-    draft_ctx: Option<Tensor>,
-    /// Committed positions whose features are in the drafter cache
-    /// (`draft_fed + pending.rows` = the target's cached positions).
-    draft_fed: usize,
-    pending: PendingFeatures,
     /// A deterministic draft that was not verified (n-gram, verify length 0), kept to be
     /// checked against the tokens the target commits next: `(position of its first token,
     /// tokens)`. For a point-mass draft the chance that the target's own token matches is
     /// exactly the chance verification would have accepted it, so the live acceptance rates
     /// stay honest while the scheduler is not verifying.
     shadow: Option<(usize, Vec<u32>)>,
-    /// Lost its drafter context (backlog over [`DETACH_ROWS`]): never drafts again.
-    detached: bool,
-    /// The target's prefix-cache keys of this sequence's full blocks, and how many of its
-    /// drafter blocks are registered under them (a block is once all its positions are fed).
-    prefix_keys: Vec<u64>,
-    draft_registered: usize,
     /// This sequence's own recent acceptance.
     own: AcceptanceStats,
     /// Step counter value when it last drafted (probe order).
@@ -126,14 +94,7 @@ struct SeqState {
 impl SeqState {
     fn new(positions: usize) -> Self {
         Self {
-            draft_blocks: Vec::new(),
-            draft_ctx: None,
-            draft_fed: 0,
-            pending: PendingFeatures::default(),
             shadow: None,
-            detached: false,
-            prefix_keys: Vec::new(),
-            draft_registered: 0,
             own: AcceptanceStats::new(positions, OWN_HALF_LIFE),
             last_drafted: 0,
         }
@@ -152,7 +113,10 @@ pub struct LastPlan {
 pub struct Speculator {
     kind: Speculation,
     policy: VerifyPolicy,
-    drafter: Option<Drafter>,
+    /// Who drafts: the n-gram lookup or the model drafter (`None`: plain decoding).
+    proposer: Option<Box<dyn Proposer>>,
+    /// The model drafter and every sequence's context in it.
+    context: Option<DrafterContext>,
     seqs: HashMap<u64, SeqState>,
     /// Live per-position acceptance over all sequences.
     acceptance: AcceptanceStats,
@@ -185,10 +149,18 @@ impl Speculator {
             .filter(|_| online_calibration > 0.0)
             .map(|d| OnlineCalibration::new(d.model.config().block_size, online_calibration));
         metrics.verify_cost_factor.set(1.0);
+        let proposer: Option<Box<dyn Proposer>> = match kind {
+            Speculation::None => None,
+            Speculation::Ngram => Some(Box::new(NgramProposer)),
+            Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
+                Some(Box::new(ModelProposer))
+            }
+        };
         Self {
             kind,
             policy,
-            drafter,
+            proposer,
+            context: drafter.map(DrafterContext::new),
             seqs: HashMap::new(),
             acceptance: AcceptanceStats::new(64, 200.0),
             recal,
@@ -225,31 +197,20 @@ impl Speculator {
             self.policy = p;
         }
         if self.off {
-            let ids: Vec<u64> = self.seqs.keys().copied().collect();
-            for id in ids {
-                self.detach(id);
+            for st in self.seqs.values_mut() {
+                st.shadow = None;
+            }
+            if let Some(c) = self.context.as_mut() {
+                c.detach_all();
             }
         }
         self.skips_in_row = 0;
     }
 
-    /// Sequence `id` loses its drafter context for good (it decodes plainly).
-    fn detach(&mut self, id: u64) {
-        let block = self.block();
-        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
-        st.detached = true;
-        st.pending = PendingFeatures::default();
-        st.draft_ctx = None;
-        st.shadow = None;
-        if let Some(d) = self.drafter.as_mut() {
-            d.kv.truncate(&mut st.draft_blocks, 0);
-        }
-    }
-
     fn block(&self) -> usize {
-        self.drafter
+        self.context
             .as_ref()
-            .map_or(self.policy.gamma(), |d| d.model.config().block_size)
+            .map_or(self.policy.gamma(), DrafterContext::block_size)
     }
 
     /// Target layers whose hidden states the drafter reads (empty: none needed).
@@ -257,15 +218,15 @@ impl Speculator {
         if self.off {
             return Vec::new();
         }
-        self.drafter
+        self.context
             .as_ref()
-            .map(|d| d.model.target_layers().to_vec())
+            .map(|c| c.drafter.model.target_layers().to_vec())
             .unwrap_or_default()
     }
 
     /// Calls into drafter code so far (context feeds and drafts), as the drafter counts them.
     pub fn drafter_calls(&self) -> u64 {
-        self.drafter.as_ref().map_or(0, |d| d.model.calls())
+        self.context.as_ref().map_or(0, |c| c.drafter.model.calls())
     }
 
     /// Exports the drafter's call count.
@@ -285,8 +246,13 @@ impl Speculator {
         self.acceptance.rate(k)
     }
 
+    /// The model drafter's context (tests: what it holds).
+    pub fn context(&self) -> Option<&DrafterContext> {
+        self.context.as_ref()
+    }
+
     /// Draft blocks for this step's decoding sequences (`None`: it decodes plainly). Model
-    /// drafters run once, batched, for the sequences the plan picks; the n-gram drafter
+    /// drafters run once, batched, for the sequences the gate picks; the n-gram drafter
     /// proposes for every sequence (it costs nothing). Proposals are not yet cut to verify
     /// lengths (see [`Speculator::plan`]).
     pub fn propose(
@@ -298,35 +264,33 @@ impl Speculator {
     ) -> Result<Vec<Option<Proposal>>> {
         self.steps += 1;
         self.last = LastPlan::default();
-        let mut out: Vec<Option<Proposal>> = (0..cands.len()).map(|_| None).collect();
         match self.kind {
-            Speculation::None => {}
+            Speculation::None => Ok((0..cands.len()).map(|_| None).collect()),
             Speculation::Ngram => {
-                let gamma = self.policy.gamma();
-                for (o, c) in out.iter_mut().zip(cands.iter()) {
-                    let g = gamma.min(c.cap);
-                    if g == 0 {
-                        continue;
-                    }
-                    let tokens = ngram::propose(c.tokens, g, 1, 3);
-                    if !tokens.is_empty() {
-                        *o = Some(Proposal {
-                            q: tokens.iter().map(|&t| Dist::Greedy(t)).collect(),
-                            confidence: (0..tokens.len())
-                                .map(|k| self.acceptance.rate(k))
-                                .collect(),
-                            tokens,
-                        });
-                    }
-                }
+                let gamma: Vec<usize> = cands
+                    .iter()
+                    .map(|c| self.policy.gamma().min(c.cap))
+                    .collect();
+                let Some(p) = self.proposer.as_mut() else {
+                    return Ok((0..cands.len()).map(|_| None).collect());
+                };
+                let acceptance = &self.acceptance;
+                let input = DraftInput {
+                    target,
+                    context: None,
+                    rate: &|k: usize| acceptance.rate(k),
+                    min_survival: 0.0,
+                    calibration: None,
+                    probe: false,
+                };
+                Ok(p.propose(cands, &gamma, input)?.blocks)
             }
             Speculation::Parallel | Speculation::DSparkMarkov | Speculation::DSparkRnn => {
-                let res = self.propose_with_model(cands, target, shape, table, &mut out);
+                let res = self.propose_with_model(cands, target, shape, table);
                 self.publish_calls();
-                res?;
+                res
             }
         }
-        Ok(out)
     }
 
     /// Predicted conditional acceptance of sequence `id`'s positions: its own recent
@@ -355,24 +319,25 @@ impl Speculator {
         out
     }
 
+    /// The gate, then the model proposer for the sequences it picked.
     fn propose_with_model(
         &mut self,
         cands: &mut [Candidate<'_>],
         target: &Model,
         shape: StepShape,
         table: &ActiveTable,
-        out: &mut [Option<Proposal>],
-    ) -> Result<()> {
-        let Some(block) = self.drafter.as_ref().map(|d| d.model.config().block_size) else {
-            return Ok(());
+    ) -> Result<Vec<Option<Proposal>>> {
+        let n = cands.len();
+        let none = || -> Vec<Option<Proposal>> { (0..n).map(|_| None).collect() };
+        let Some(ctx) = self.context.as_ref() else {
+            return Ok(none());
         };
-        let gamma_max = self.policy.gamma().min(block);
+        let gamma_max = self.policy.gamma().min(ctx.block_size());
         // Who may draft and how long.
         let caps: Vec<usize> = cands
             .iter()
             .map(|c| {
-                let detached = self.seqs.get(&c.id).is_some_and(|s| s.detached);
-                if detached {
+                if ctx.detached(c.id) {
                     0
                 } else {
                     gamma_max.min(c.cap)
@@ -380,7 +345,7 @@ impl Speculator {
             })
             .collect();
         if caps.iter().all(|&c| c == 0) {
-            return Ok(());
+            return Ok(none());
         }
         let mut gamma: Vec<usize> = caps.clone();
         let mut min_survival = 0.0f32;
@@ -390,186 +355,81 @@ impl Speculator {
                 .zip(&caps)
                 .map(|(c, &cap)| predicted_survival(&self.predicted_rates(c.id, cap), cap))
                 .collect();
+            let probe_key: Vec<(usize, u64, u64)> = cands
+                .iter()
+                .map(|c| {
+                    let last = self.seqs.get(&c.id).map_or(0, |s| s.last_drafted);
+                    (ctx.backlog(c.id), last, c.id)
+                })
+                .collect();
             let clock = self.clock.clone();
             let sps = self.priced(table, shape);
-            let plan = plan_drafts(&predicted, shape.base_b, shape.max_b, &sps, &|n, l| {
-                clock.predict(table, n, l)
+            let d = decide(&GateInput {
+                caps: &caps,
+                predicted: &predicted,
+                base_b: shape.base_b,
+                max_b: shape.max_b,
+                sps: &sps,
+                t_draft: &|n: usize, l: usize| clock.predict(table, n, l),
+                skips_in_row: self.skips_in_row,
+                probe_key: &probe_key,
             });
-            gamma = plan.gamma;
-            // Predictions are estimates: a plan must beat plain decoding by a margin, or the
-            // step decodes plainly (a near-tie is not worth the drafter's risk).
-            if plan.rate < plan.plain_rate * (1.0 + PLAN_MARGIN) {
-                gamma.iter_mut().for_each(|g| *g = 0);
-            }
-            if gamma.iter().all(|&g| g == 0) {
+            if d.verdict != Verdict::Draft {
                 self.skips_in_row += 1;
                 self.metrics.draft_skips.inc();
-                if self.skips_in_row < DRAFT_PROBE {
-                    return Ok(());
-                }
-                // A probe is priced like any draft: where even a drafter that is never
-                // wrong would not pay at this load, it cannot change the decision. The
-                // count keeps growing, so the probe runs as soon as the load allows it.
-                if !probe_pays(
-                    &caps,
-                    shape.base_b,
-                    shape.max_b,
-                    &sps,
-                    &|n, l| clock.predict(table, n, l),
-                    PLAN_MARGIN,
-                ) {
+            }
+            match d.verdict {
+                Verdict::Skip | Verdict::SkipNoCandidate => return Ok(none()),
+                Verdict::SkipUnpaidProbe => {
                     self.metrics.draft_skipped_probes.inc();
-                    return Ok(());
+                    return Ok(none());
                 }
-                // Probe: the eligible sequence whose drafter context is cheapest to bring up
-                // to date (smallest backlog; then the one that drafted longest ago), full
-                // block. The estimates it refreshes are global.
-                let pick = (0..cands.len()).filter(|&i| caps[i] > 0).min_by_key(|&i| {
-                    let st = self.seqs.get(&cands[i].id);
-                    (
-                        st.map_or(0, |s| s.pending.rows),
-                        st.map_or(0, |s| s.last_drafted),
-                        cands[i].id,
-                    )
-                });
-                let Some(p) = pick else {
-                    return Ok(());
-                };
-                gamma[p] = caps[p];
-                self.last.probe = true;
+                Verdict::Probe => self.last.probe = true,
+                Verdict::Draft => {}
             }
             self.skips_in_row = 0;
-            // The early stop: a draft token whose survival is below the cheapest marginal
-            // verify cost of this step can never be taken.
-            let r = cands.len() as f64;
-            let mut cheapest = f64::INFINITY;
-            for b in shape.base_b.max(1)..shape.max_b.max(shape.base_b.max(1) + 1) {
-                cheapest = cheapest.min(sps(b) / sps(b + 1) - 1.0);
-                if cheapest <= 0.0 {
-                    break;
-                }
-            }
-            min_survival = (r * cheapest.max(0.0)).min(1.0) as f32;
+            gamma = d.gamma;
+            min_survival = d.min_survival;
         }
-        let d = self.drafter.as_mut().expect("checked");
-        // Blocks must cover the draft positions; a sequence the drafter cache cannot hold
-        // decodes without drafting this step.
-        for (i, c) in cands.iter().enumerate() {
-            if gamma[i] == 0 {
-                continue;
-            }
-            let st = self
-                .seqs
-                .entry(c.id)
-                .or_insert_with(|| SeqState::new(block));
-            let rows = d.model.config().block_rows(gamma[i]);
-            if c.cached + rows > target.max_context()
-                || !d.kv.ensure(&mut st.draft_blocks, c.cached + rows)
-            {
-                gamma[i] = 0;
-            }
-        }
-        let who: Vec<usize> = (0..cands.len()).filter(|&i| gamma[i] > 0).collect();
-        if who.is_empty() {
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        // The drafter's context must reach each anchor: feed the held rows of the drafting
-        // sequences, and (when the plan itself chose to draft, not in a probe) of long
-        // backlogs of the others within the per-call bound.
-        let mut feed: Vec<u64> = who.iter().map(|&i| cands[i].id).collect();
-        let mut extra = if self.last.probe {
-            FEED_ROWS_PER_CALL
-        } else {
-            0
+        let Some(p) = self.proposer.as_mut() else {
+            return Ok(none());
         };
-        let mut backlogs: Vec<(usize, u64)> = self
-            .seqs
-            .iter()
-            .filter(|(id, s)| {
-                !s.detached && s.pending.rows >= FEED_BACKLOG_ROWS && !feed.contains(id)
-            })
-            .map(|(&id, s)| (s.pending.rows, id))
-            .collect();
-        backlogs.sort_unstable_by(|a, b| b.cmp(a));
-        for (rows, id) in backlogs {
-            if extra + rows > FEED_ROWS_PER_CALL {
-                continue;
-            }
-            extra += rows;
-            feed.push(id);
-        }
-        self.metrics.draft_steps.inc();
-        self.feed(&feed)?;
-        let d = self.drafter.as_mut().expect("checked");
-        // A context-input drafter also needs the feature of the position before the anchor:
-        // a sequence that started on cached blocks right up to its anchor (prompt length one
-        // past a block boundary) has none until it decodes one token plainly.
-        let needs_ctx = d.model.config().context_input;
-        let who: Vec<usize> = who
-            .into_iter()
-            .filter(|&i| {
-                self.seqs.get(&cands[i].id).is_some_and(|s| {
-                    s.pending.rows == 0
-                        && s.draft_fed == cands[i].cached
-                        && (s.draft_ctx.is_some() || !needs_ctx)
-                })
-            })
-            .collect();
-        if who.is_empty() {
-            return Ok(());
-        }
-        let seqs = &self.seqs;
-        let mut reqs: Vec<DraftRequest> = Vec::with_capacity(who.len());
-        let mut grammars = Vec::with_capacity(who.len());
-        let mut picked: Vec<&mut Candidate> = cands
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| who.contains(i))
-            .map(|(_, c)| c)
-            .collect();
-        for (c, &i) in picked.iter_mut().zip(&who) {
-            let st = &seqs[&c.id];
-            reqs.push(DraftRequest {
-                anchor: *c.tokens.last().expect("decoding sequences have tokens"),
-                anchor_pos: c.cached,
-                block_table: &st.draft_blocks,
-                gamma: gamma[i],
-                params: c.params,
-                history: Some(c.history),
-                rng: &mut *c.rng,
-                last_context: st.draft_ctx.as_ref(),
-            });
-            grammars.push(c.constraint.as_deref_mut());
-        }
-        let opts = ProposeOptions {
+        let t0 = Instant::now();
+        let acceptance = &self.acceptance;
+        let input = DraftInput {
+            target,
+            context: self.context.as_mut(),
+            rate: &|k: usize| acceptance.rate(k),
             min_survival,
             calibration: self.recal.as_ref(),
+            probe: self.last.probe,
         };
-        let blocks = d
-            .model
-            .propose_under(&mut d.kv, target, &mut reqs, &opts, &mut grammars)?;
-        drop(reqs);
-        drop(grammars);
-        let secs = t0.elapsed().as_secs_f64();
-        let l_run = who.iter().map(|&i| gamma[i]).max().unwrap_or(0);
-        self.clock.record(table, who.len(), l_run, secs);
-        self.last.drafted = who.len();
-        for (&i, b) in who.iter().zip(blocks) {
-            if let Some(st) = self.seqs.get_mut(&cands[i].id) {
-                st.last_drafted = self.steps;
-            }
-            if !b.tokens.is_empty() {
-                out[i] = Some(b);
-            }
+        let run = p.propose(cands, &gamma, input)?;
+        if run.called {
+            self.metrics.draft_steps.inc();
         }
-        Ok(())
+        if run.ran.is_empty() {
+            return Ok(run.blocks);
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let l_run = run.ran.iter().map(|&i| gamma[i]).max().unwrap_or(0);
+        self.clock.record(table, run.ran.len(), l_run, secs);
+        self.last.drafted = run.ran.len();
+        let block = self.block();
+        for &i in &run.ran {
+            let st = self
+                .seqs
+                .entry(cands[i].id)
+                .or_insert_with(|| SeqState::new(block));
+            st.last_drafted = self.steps;
+        }
+        Ok(run.blocks)
     }
 
     /// Turns prefix caching on in the drafter's context cache (keyed by the target's keys).
     pub fn enable_prefix_cache(&mut self) {
-        if let Some(d) = self.drafter.as_mut() {
-            d.kv.enable_prefix_cache("drafter");
+        if let Some(c) = self.context.as_mut() {
+            c.enable_prefix_cache();
         }
     }
 
@@ -577,8 +437,8 @@ impl Speculator {
     /// them without a model drafter, else as many as the drafter's context cache holds too
     /// (the target computes the rest, so the drafter's context is the same as without a hit).
     pub fn shared_prefix(&self, keys: &[u64]) -> usize {
-        match &self.drafter {
-            Some(d) if self.kind.uses_model_drafter() => d.kv.lookup_keys(keys).len(),
+        match &self.context {
+            Some(c) if self.kind.uses_model_drafter() => c.shared_prefix(keys),
             _ => keys.len(),
         }
     }
@@ -586,99 +446,18 @@ impl Speculator {
     /// A sequence starts on the first `keys.len()` cached blocks: its drafter context
     /// shares the drafter blocks registered under the same keys.
     pub fn attach_prefix(&mut self, id: u64, keys: &[u64]) {
-        let block = self.block();
-        let Some(d) = self.drafter.as_mut() else {
-            return;
-        };
-        if keys.is_empty() || !self.kind.uses_model_drafter() {
-            return;
+        match self.context.as_mut() {
+            Some(c) if self.kind.uses_model_drafter() => c.attach_prefix(id, keys),
+            _ => {}
         }
-        let blocks = d.kv.lookup_keys(keys);
-        debug_assert_eq!(blocks.len(), keys.len(), "shared_prefix bounds the hit");
-        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
-        st.draft_blocks = d.kv.share(&blocks);
-        st.draft_fed = blocks.len() * d.kv.block_size;
-        st.prefix_keys = keys[..blocks.len()].to_vec();
-        st.draft_registered = blocks.len();
     }
 
     /// The target registered more of sequence `id`'s blocks under `keys`.
     pub fn note_prefix_keys(&mut self, id: u64, keys: &[u64]) {
-        if self.drafter.is_none() || !self.kind.uses_model_drafter() {
-            return;
+        match self.context.as_mut() {
+            Some(c) if self.kind.uses_model_drafter() => c.note_prefix_keys(id, keys),
+            _ => {}
         }
-        let block = self.block();
-        let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
-        st.prefix_keys.extend_from_slice(keys);
-        self.register_drafter_blocks(id);
-    }
-
-    /// Registers sequence `id`'s drafter blocks whose positions are all fed under the
-    /// target's keys.
-    fn register_drafter_blocks(&mut self, id: u64) {
-        let (Some(d), Some(st)) = (self.drafter.as_mut(), self.seqs.get_mut(&id)) else {
-            return;
-        };
-        if st.detached {
-            return;
-        }
-        let bs = d.kv.block_size;
-        while st.draft_registered < st.prefix_keys.len()
-            && (st.draft_registered + 1) * bs <= st.draft_fed
-            && st.draft_registered < st.draft_blocks.len()
-        {
-            let i = st.draft_registered;
-            d.kv.register_key(&st.draft_blocks, i, st.prefix_keys[i]);
-            st.draft_registered += 1;
-        }
-    }
-
-    /// Writes the held rows of sequences `ids` into the drafter's context cache in one
-    /// batched call. A sequence the drafter cache cannot hold keeps its backlog.
-    fn feed(&mut self, ids: &[u64]) -> Result<()> {
-        let Some(d) = self.drafter.as_mut() else {
-            return Ok(());
-        };
-        let (mut fed, mut hidden) = (Vec::new(), Vec::new());
-        for id in ids {
-            let Some(s) = self.seqs.get_mut(id) else {
-                continue;
-            };
-            let upto = s.draft_fed + s.pending.rows;
-            if s.pending.rows == 0 || !d.kv.ensure(&mut s.draft_blocks, upto) {
-                continue;
-            }
-            hidden.push(s.pending.take()?);
-            fed.push(*id);
-        }
-        if fed.is_empty() {
-            return Ok(());
-        }
-        let feeds: Vec<ContextFeed> = fed
-            .iter()
-            .zip(&hidden)
-            .map(|(id, h)| {
-                let s = &self.seqs[id];
-                ContextFeed {
-                    table: &s.draft_blocks,
-                    start: s.draft_fed,
-                    hidden: h,
-                }
-            })
-            .collect();
-        let last = d.model.append_contexts(&mut d.kv, &feeds)?;
-        drop(feeds);
-        for ((id, h), c) in fed.iter().zip(&hidden).zip(last) {
-            let s = self.seqs.get_mut(id).expect("fed sequences exist");
-            s.draft_fed += h.first().map_or(0, |t| t.dim(0).unwrap_or(0));
-            if c.is_some() {
-                s.draft_ctx = c;
-            }
-        }
-        for id in &fed {
-            self.register_drafter_blocks(*id);
-        }
-        Ok(())
     }
 
     /// The table's SPS as this step's plans read it: a forward that verifies drafts priced
@@ -763,7 +542,8 @@ impl Speculator {
 
     /// One sequence's share of the forward: rows `first_row..first_row + valid` of `hidden`
     /// are its positions that stay in the target cache (now `cached` positions), and, when it
-    /// verified a block, the verdict.
+    /// verified a block, the verdict. An error is this sequence's own (its drafter context
+    /// could not follow): the caller fails it alone.
     pub fn commit(
         &mut self,
         id: u64,
@@ -773,25 +553,10 @@ impl Speculator {
         cached: usize,
         verified: Option<Verified<'_>>,
     ) -> Result<()> {
-        let block = self.block();
-        if self.drafter.is_some() && hidden.is_empty() && valid > 0 {
-            // Hidden states were not computed this step (speculation was off): the drafter
-            // context cannot follow any more.
-            if !self.seqs.get(&id).is_some_and(|s| s.detached) {
-                self.detach(id);
-            }
-        } else if let Some(d) = self.drafter.as_mut() {
-            let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
-            if !st.detached {
-                st.pending.push(hidden, first_row, valid)?;
-                d.kv.truncate(&mut st.draft_blocks, cached);
-                if st.pending.rows >= DETACH_ROWS {
-                    st.detached = true;
-                    st.pending = PendingFeatures::default();
-                    st.draft_ctx = None;
-                    d.kv.truncate(&mut st.draft_blocks, 0);
-                }
-            }
+        if let Some(c) = self.context.as_mut() {
+            let block = c.block_size();
+            self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+            c.commit(id, hidden, first_row, valid, cached)?;
         }
         if let Some(v) = verified {
             let drafted = v.proposal.tokens.len();
@@ -871,49 +636,9 @@ impl Speculator {
     /// Sequence `id` left the engine (or was preempted and starts over): frees its drafter
     /// blocks and forgets its state.
     pub fn release(&mut self, id: u64) {
-        if let Some(mut st) = self.seqs.remove(&id) {
-            if let Some(d) = self.drafter.as_mut() {
-                d.kv.truncate(&mut st.draft_blocks, 0);
-            }
+        self.seqs.remove(&id);
+        if let Some(c) = self.context.as_mut() {
+            c.release(id);
         }
-    }
-}
-
-/// Target hidden-state rows of committed positions not yet written into the drafter's
-/// context cache. Feeding waits for the next drafting call (one batched pass over every
-/// drafting sequence), so while the plan keeps the drafter off it costs these copies only.
-#[derive(Default)]
-struct PendingFeatures {
-    /// Per target layer, chunks of `[rows, hidden]` in position order.
-    layers: Vec<Vec<Tensor>>,
-    rows: usize,
-}
-
-impl PendingFeatures {
-    /// Keeps rows `first_row..first_row + n` of this step's hidden states (copied, so the
-    /// step's whole batch is not held).
-    fn push(&mut self, hidden: &[Tensor], first_row: usize, n: usize) -> Result<()> {
-        if n == 0 || hidden.is_empty() {
-            return Ok(());
-        }
-        if self.layers.is_empty() {
-            self.layers = vec![Vec::new(); hidden.len()];
-        }
-        for (chunks, h) in self.layers.iter_mut().zip(hidden) {
-            chunks.push(h.narrow(0, first_row, n)?.force_contiguous()?);
-        }
-        self.rows += n;
-        Ok(())
-    }
-
-    /// All held rows, one `[rows, hidden]` tensor per target layer; empties the backlog.
-    fn take(&mut self) -> Result<Vec<Tensor>> {
-        let out = self
-            .layers
-            .iter()
-            .map(|c| Tensor::cat(c, 0))
-            .collect::<candle_core::Result<_>>()?;
-        *self = Self::default();
-        Ok(out)
     }
 }

@@ -338,9 +338,9 @@ mod tests {
         p
     }
 
-    /// [`speculative`] with penalties: the verify block's target distributions come from
-    /// `block_dists` (the engine's rule), or, with `stale`, every position is judged by the
-    /// history before the block (the bug engines have shipped).
+    /// [`speculative`] with penalties, each block judged by the engine's own
+    /// [`crate::speculative::acceptance::judge`]; with `stale`, every position is judged by
+    /// the history before the block instead (the bug engines have shipped).
     fn speculative_penalised(
         target: &Bigram,
         draft: &Bigram,
@@ -364,14 +364,17 @@ mod tests {
             }
             let mut rows = vec![logits(target, last)];
             rows.extend(ys.iter().map(|&y| logits(target, y)));
-            let ps = if stale {
-                rows.iter()
+            let tokens = if stale {
+                let ps: Vec<Dist> = rows
+                    .iter()
                     .map(|r| crate::sampling::target_dist(r, sp, &h))
-                    .collect()
+                    .collect();
+                verify(&ys, &qs, &ps, rng).tokens
             } else {
-                crate::sampling::block_dists(&rows, sp, &h, &ys)
+                let p = block(ys, qs);
+                judge_block(sp, &h, rng, None, &p, &rows)
             };
-            for t in verify(&ys, &qs, &ps, rng).tokens {
+            for t in tokens {
                 if out.len() < len {
                     out.push(t);
                     h.push(t);
@@ -380,6 +383,35 @@ mod tests {
             }
         }
         out
+    }
+
+    /// A draft block as the engine carries it.
+    fn block(tokens: Vec<u32>, q: Vec<Dist>) -> crate::speculative::Proposal {
+        crate::speculative::Proposal {
+            confidence: vec![1.0; tokens.len()],
+            tokens,
+            q,
+        }
+    }
+
+    /// The engine's `judge` on one block (the grammar work computed inside it, as for a
+    /// sequence whose masks were not computed beside the forward).
+    fn judge_block(
+        sp: &crate::sampling::SamplingParams,
+        h: &crate::sampling::History,
+        rng: &mut ChaCha8Rng,
+        grammar: Option<&mut Toy>,
+        p: &crate::speculative::Proposal,
+        rows: &[Vec<f32>],
+    ) -> Vec<u32> {
+        use crate::speculative::acceptance::{judge, Judging};
+        let s = Judging {
+            params: sp,
+            history: h,
+            rng,
+            grammar,
+        };
+        judge(s, Some(p), rows, None).expect("judge").0
     }
 
     fn penalised_chi(truncate: bool, stale: bool, n: usize) -> (f64, f64) {
@@ -431,10 +463,51 @@ mod tests {
         m
     }
 
-    /// Constrained speculative sampling as the engine does it: the draft (from an
+    use crate::speculative::acceptance::Grammar;
+
+    /// The toy grammar's state, driven by the engine's `judge` as it drives llguidance: the
+    /// tokens consumed so far.
+    #[derive(Default)]
+    struct Toy(Vec<u32>);
+
+    impl Grammar for Toy {
+        fn mask(&mut self) -> anyhow::Result<crate::constraint::Mask> {
+            Ok(grammar_mask(self.0.last().copied().unwrap_or(0)))
+        }
+        fn walk(&mut self, draft: &[u32]) -> anyhow::Result<(Vec<crate::constraint::Mask>, usize)> {
+            let mut masks = Vec::new();
+            for (k, &t) in draft.iter().enumerate() {
+                let m = self.mask()?;
+                let ok = m.is_allowed(t);
+                masks.push(m);
+                if !ok {
+                    return Ok((masks, k));
+                }
+                self.consume(t)?;
+            }
+            masks.push(self.mask()?);
+            Ok((masks, draft.len()))
+        }
+        fn rollback(&mut self, n: usize) -> anyhow::Result<()> {
+            anyhow::ensure!(n <= self.0.len(), "rollback past the start");
+            self.0.truncate(self.0.len() - n);
+            Ok(())
+        }
+        fn consume(&mut self, tok: u32) -> anyhow::Result<()> {
+            let m = self.mask()?;
+            anyhow::ensure!(m.is_allowed(tok), "token {tok} breaks the grammar");
+            self.0.push(tok);
+            Ok(())
+        }
+        fn is_stopped(&self) -> bool {
+            false
+        }
+    }
+
+    /// Constrained speculative sampling through the engine's `judge`: the draft (from an
     /// unconstrained drafter) is judged against the masked, penalised target law of each
     /// position after the drafts before it, up to and including its first token the grammar
-    /// forbids (which is rejected for certain); nothing after that is computed.
+    /// forbids (which is rejected for certain).
     fn speculative_constrained(
         target: &Bigram,
         draft: &Bigram,
@@ -443,6 +516,7 @@ mod tests {
         rng: &mut ChaCha8Rng,
     ) -> Vec<u32> {
         let mut h = crate::sampling::History::new(&[0], sp);
+        let mut g = Toy::default();
         let (mut out, mut last) = (Vec::new(), 0u32);
         while out.len() < len {
             let (mut ys, mut qs, mut prev) = (Vec::new(), Vec::new(), last);
@@ -453,31 +527,10 @@ mod tests {
                 qs.push(q);
                 prev = y;
             }
-            // The walk: masks of positions 0..=k, k = allowed drafts in a row.
-            let (mut masks, mut k, mut p) = (Vec::new(), 0, last);
-            loop {
-                let m = grammar_mask(p);
-                let ok = k < ys.len() && m.is_allowed(ys[k]);
-                masks.push(m);
-                if !ok {
-                    break;
-                }
-                p = ys[k];
-                k += 1;
-            }
             let mut rows = vec![logits(target, last)];
-            rows.extend(ys[..k].iter().map(|&y| logits(target, y)));
-            let mut ps = crate::sampling::block_dists_masked(&rows, sp, &h, &ys[..k], Some(&masks));
-            // A forbidden draft token stays in the block: its target probability is 0, so
-            // verification rejects it and samples the residual (cutting it and sampling the
-            // target's law instead would be lossy). The position after it is never reached.
-            let v = if k < ys.len() {
-                ps.push(ps[k].clone());
-                k + 1
-            } else {
-                k
-            };
-            for t in verify(&ys[..v], &qs[..v], &ps, rng).tokens {
+            rows.extend(ys.iter().map(|&y| logits(target, y)));
+            let p = block(ys, qs);
+            for t in judge_block(sp, &h, rng, Some(&mut g), &p, &rows) {
                 if out.len() < len {
                     out.push(t);
                     h.push(t);
