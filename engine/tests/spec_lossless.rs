@@ -4,11 +4,12 @@
 
 mod common;
 
-use dspark_engine::engine::{EngineConfig, Usage};
+use dspark_engine::engine::{EngineConfig, Event, GenRequest, Usage};
 use dspark_engine::runtime::AppOptions;
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
 use std::sync::OnceLock;
+use std::time::Instant;
 
 const MAX_TOKENS: usize = 16;
 

@@ -97,6 +97,7 @@ stop_load() {
 finish() {
   local rc=$?
   stop_load
+  gie_stop
   if [ -n "$HUB_PID" ]; then kill "$HUB_PID" 2>/dev/null || true; wait "$HUB_PID" 2>/dev/null || true; fi
   if [ -n "$S3_PID" ]; then kill "$S3_PID" 2>/dev/null || true; wait "$S3_PID" 2>/dev/null || true; fi
   if [ "$REGISTRY_UP" = 1 ]; then "$ROOT/tests/registry/registry.sh" down >/dev/null 2>&1 || true; fi
@@ -118,6 +119,8 @@ finish() {
   exit "$rc"
 }
 trap finish EXIT
+# shellcheck source=tests/e2e/gie.sh
+. "$HERE/gie.sh"
 
 [ -x "$DSPARK_ENGINE_BIN" ] || die "no engine binary at $DSPARK_ENGINE_BIN (make build)"
 [ -x "$DSPARK_OPERATOR_BIN" ] || die "no operator binary at $DSPARK_OPERATOR_BIN (make build)"
@@ -610,6 +613,9 @@ PY
   wait "$S3_PID" 2>/dev/null || true
   S3_PID=""
 fi
+
+# --- the Gateway API Inference Extension: InferencePool + the real endpoint picker --------
+gie_phase
 
 # --- deletion ------------------------------------------------------------------------------
 kubectl delete dsd -n "$NS" "$DSD" --wait=true --timeout=60s >/dev/null
