@@ -1,5 +1,7 @@
 //! The engine's Prometheus metrics (`dspark_` names; vLLM's set where one exists). The family
-//! names are the operator contract's (`dspark_types::contract::metrics`).
+//! names are the operator contract's (`dspark_types::contract::metrics`); the Gateway API
+//! Inference Extension's model-server protocol is also served in vLLM's spellings
+//! ([`gie`]).
 
 use dspark_types::contract::metrics as fam;
 use prometheus_client::encoding::text::encode;
@@ -66,6 +68,49 @@ impl ExperimentMetrics {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabel {
     pub source: String,
+}
+
+/// The labels of [`gie::CACHE_CONFIG_INFO`], as vLLM spells them.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CacheConfigLabel {
+    pub block_size: String,
+    pub num_gpu_blocks: String,
+}
+
+/// The labels of [`gie::LORA_REQUESTS_INFO`] (no adapters are served).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoraLabel {
+    pub running_lora_adapters: String,
+    pub waiting_lora_adapters: String,
+    pub max_lora: String,
+}
+
+/// The model-server metrics protocol of the Gateway API Inference Extension (GIE), in the
+/// vLLM spellings a stock endpoint picker reads by default: the same gauges as the `dspark_`
+/// families (one value, two names), plus the cache configuration and the (empty) LoRA
+/// state as info gauges. docs/operations.md says how a picker is pointed at them.
+pub mod gie {
+    /// Requests waiting for admission (= `dspark_num_requests_waiting`).
+    pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+    /// Requests in the running batch (= `dspark_num_requests_running`).
+    pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+    /// Fraction (0-1) of KV blocks in use (= `dspark_kv_cache_usage_ratio`).
+    pub const KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
+    /// The same fraction under the name older pickers read.
+    pub const GPU_CACHE_USAGE: &str = "vllm:gpu_cache_usage_perc";
+    /// 1, labelled with `block_size` (tokens) and `num_gpu_blocks` (the KV cache's blocks).
+    pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+    /// 1, labelled `running_lora_adapters=""`, `waiting_lora_adapters=""`, `max_lora="0"`.
+    pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
+    /// Every family with its Prometheus type (all gauges).
+    pub const FAMILIES: [&str; 6] = [
+        NUM_REQUESTS_WAITING,
+        NUM_REQUESTS_RUNNING,
+        KV_CACHE_USAGE,
+        GPU_CACHE_USAGE,
+        CACHE_CONFIG_INFO,
+        LORA_REQUESTS_INFO,
+    ];
 }
 
 /// The OpenTelemetry GenAI server metrics, exported over OTLP when it is on (no-ops
@@ -172,6 +217,10 @@ pub struct Metrics {
     pub calibration_offset: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
     pub calibration_scale: Family<ModePositionLabel, Gauge<f64, AtomicU64>>,
     pub experiment: ExperimentMetrics,
+    /// [`gie::CACHE_CONFIG_INFO`]: set once the KV cache is built ([`Metrics::set_cache_config`]).
+    pub cache_config: Family<CacheConfigLabel, Gauge>,
+    /// [`gie::LORA_REQUESTS_INFO`].
+    pub lora_info: Family<LoraLabel, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -245,6 +294,8 @@ impl Metrics {
                 ttft: Family::new_with_constructor(latency_histogram),
                 itl: Family::new_with_constructor(latency_histogram),
             },
+            cache_config: Family::default(),
+            lora_info: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -462,7 +513,55 @@ impl Metrics {
             "Inter-token latency under each experiment arm",
             e.itl.clone(),
         );
+        r.register(
+            gie::NUM_REQUESTS_WAITING,
+            "Requests waiting for admission (GIE model-server protocol, vLLM spelling)",
+            m.waiting.clone(),
+        );
+        r.register(
+            gie::NUM_REQUESTS_RUNNING,
+            "Requests in the running batch (GIE model-server protocol, vLLM spelling)",
+            m.running.clone(),
+        );
+        r.register(
+            gie::KV_CACHE_USAGE,
+            "Fraction (0-1) of KV cache blocks in use (GIE model-server protocol, vLLM spelling)",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            gie::GPU_CACHE_USAGE,
+            "Fraction (0-1) of KV cache blocks in use (older vLLM spelling)",
+            m.kv_usage.clone(),
+        );
+        r.register(
+            gie::CACHE_CONFIG_INFO,
+            "KV cache configuration: block size in tokens and number of blocks",
+            m.cache_config.clone(),
+        );
+        r.register(
+            gie::LORA_REQUESTS_INFO,
+            "LoRA adapters running and waiting (none: this server serves no adapters)",
+            m.lora_info.clone(),
+        );
+        m.lora_info
+            .get_or_create(&LoraLabel {
+                running_lora_adapters: String::new(),
+                waiting_lora_adapters: String::new(),
+                max_lora: "0".into(),
+            })
+            .set(1);
         Metrics { registry, ..m }
+    }
+
+    /// Publishes the KV cache's shape ([`gie::CACHE_CONFIG_INFO`]): `block_size` tokens per
+    /// block, `blocks` blocks.
+    pub fn set_cache_config(&self, block_size: usize, blocks: usize) {
+        self.cache_config
+            .get_or_create(&CacheConfigLabel {
+                block_size: block_size.to_string(),
+                num_gpu_blocks: blocks.to_string(),
+            })
+            .set(1);
     }
 
     pub fn render(&self) -> String {
@@ -513,6 +612,7 @@ mod tests {
         drop(e.windows.get_or_create(&arm));
         drop(e.ttft.get_or_create(&arm));
         drop(e.itl.get_or_create(&arm));
+        m.set_cache_config(16, 100);
         let text = m.render();
         let exposed: BTreeMap<&str, &str> = text
             .lines()
@@ -522,7 +622,31 @@ mod tests {
         let contract: BTreeMap<&str, &str> = fam::ENGINE
             .iter()
             .map(|f| (f.name, f.kind.type_word()))
+            .chain(gie::FAMILIES.iter().map(|&f| (f, "gauge")))
             .collect();
         assert_eq!(exposed, contract);
+        // The GIE families read the engine's own gauges, and the info gauges carry the
+        // labels a picker parses.
+        m.waiting.set(3);
+        m.kv_usage.set(0.25);
+        let text = m.render();
+        let value = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name}{{")))
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap_or_else(|| panic!("{name} missing in {text}"))
+                .parse::<f64>()
+                .unwrap()
+        };
+        assert_eq!(value(gie::NUM_REQUESTS_WAITING), 3.0);
+        assert_eq!(value(gie::KV_CACHE_USAGE), 0.25);
+        assert_eq!(value(gie::GPU_CACHE_USAGE), 0.25);
+        assert!(
+            text.contains(
+                r#"vllm:cache_config_info{model_name="m",block_size="16",num_gpu_blocks="100"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(text.contains(r#"vllm:lora_requests_info{model_name="m",running_lora_adapters="",waiting_lora_adapters="",max_lora="0"} 1"#), "{text}");
     }
 }

@@ -137,6 +137,7 @@ pub fn start(opts: &AppOptions) -> Result<(std::sync::Arc<crate::server::AppStat
         &tok.eos_token,
     )?;
     let metrics = Arc::new(crate::metrics::Metrics::new(&model_id));
+    metrics.set_cache_config(opts.kv_block_size, kv.total_blocks());
     // Cost tables are checked against the model file's id (what `profile` records), not
     // the served name.
     let costs = Arc::new(crate::cost::CostTables::new(

@@ -1765,3 +1765,270 @@ fn an_auto_call_without_parallel_calls_ends_the_choice() {
         );
     }
 }
+
+/// The text of a `/v1/responses` answer's message items.
+fn output_text(r: &Value) -> String {
+    r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "message")
+        .flat_map(|i| i["content"].as_array().unwrap().iter())
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn responses_greedy_equals_chat_and_streams_the_documented_events() {
+    let s = server();
+    let (code, chat_r) = post(
+        &s.base,
+        "/v1/chat/completions",
+        json!({"model": "smollm2", "max_tokens": 20, "temperature": 0, "ignore_eos": true,
+            "messages": [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name three colors."}]}),
+    );
+    assert_eq!(code, 200, "{chat_r}");
+    let body = json!({"model": "smollm2", "max_output_tokens": 20, "temperature": 0,
+        "ignore_eos": true, "instructions": "Be brief.",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Name three colors."}]}]});
+    let (code, r) = post(&s.base, "/v1/responses", body.clone());
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["object"], "response");
+    assert_eq!(r["status"], "incomplete", "{r}");
+    assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(
+        output_text(&r),
+        chat_r["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    assert_eq!(r["usage"]["input_tokens"], chat_r["usage"]["prompt_tokens"]);
+    assert_eq!(r["usage"]["output_tokens"], 20);
+    assert!(r["usage"]["input_tokens_details"]["cached_tokens"].is_u64());
+    // Streamed: `event:` then `data:`, numbered, in the documented order, no `[DONE]`.
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let text = client()
+        .post(format!("{}/v1/responses", s.base))
+        .json(&stream)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+    let mut kinds = Vec::new();
+    let mut deltas = String::new();
+    for pair in lines.chunks(2) {
+        let kind = pair[0]
+            .strip_prefix("event: ")
+            .expect("an event line first");
+        let data: Value = serde_json::from_str(pair[1].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(data["type"], kind);
+        assert_eq!(data["sequence_number"], kinds.len());
+        if kind == "response.output_text.delta" {
+            deltas.push_str(data["delta"].as_str().unwrap());
+        }
+        if kind == "response.incomplete" {
+            assert_eq!(output_text(&data["response"]), output_text(&r));
+            assert_eq!(data["response"]["usage"]["output_tokens"], 20);
+        }
+        kinds.push(kind.to_string());
+    }
+    assert_eq!(deltas, output_text(&r));
+    kinds.dedup();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+}
+
+#[test]
+fn responses_tools_formats_and_refusals() {
+    let s = server();
+    let tool = json!({"type": "function", "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}});
+    let (code, r) = post(
+        &s.base,
+        "/v1/responses",
+        json!({"model": "smollm2", "input": "Weather in Paris?", "tools": [tool],
+            "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60, "temperature": 0}),
+    );
+    assert_eq!(code, 200, "{r}");
+    let call = r["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["type"] == "function_call")
+        .unwrap_or_else(|| panic!("no function_call item in {r}"))
+        .clone();
+    assert_eq!(call["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{args}");
+    // The call and its output go back as input items.
+    let (code, r2) = post(
+        &s.base,
+        "/v1/responses",
+        json!({"model": "smollm2", "tools": [tool], "max_output_tokens": 8, "temperature": 0,
+            "input": [{"role": "user", "content": "Weather in Paris?"},
+                {"type": "function_call", "call_id": call["call_id"], "name": "get_weather", "arguments": call["arguments"]},
+                {"type": "function_call_output", "call_id": call["call_id"], "output": "{\"celsius\": 21}"}]}),
+    );
+    assert_eq!(code, 200, "{r2}");
+    // text.format json_schema goes through the constraint engine.
+    let (code, r3) = post(
+        &s.base,
+        "/v1/responses",
+        json!({"model": "smollm2", "input": "A color as JSON.", "max_output_tokens": 40, "temperature": 0,
+            "text": {"format": {"type": "json_schema", "name": "c", "strict": true,
+                "schema": {"type": "object", "properties": {"color": {"type": "string", "maxLength": 12}}, "required": ["color"]}}}}),
+    );
+    assert_eq!(code, 200, "{r3}");
+    let v: Value = serde_json::from_str(&output_text(&r3)).unwrap();
+    assert!(v["color"].is_string(), "{v}");
+    for (body, param) in [
+        (
+            json!({"model": "smollm2", "input": "x", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+        (
+            json!({"model": "smollm2", "input": "x", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+        (
+            json!({"model": "smollm2", "input": [{"type": "reasoning", "summary": []}]}),
+            "input[0].type",
+        ),
+        (
+            json!({"model": "smollm2", "input": "x", "tools": [{"type": "function", "name": "bad name"}]}),
+            "tools[0].name",
+        ),
+    ] {
+        let (code, e) = post(&s.base, "/v1/responses", body);
+        assert_eq!(code, 400, "{e}");
+        assert_eq!(e["error"]["param"], param, "{e}");
+    }
+}
+
+#[test]
+fn model_retrieve_and_completion_echo() {
+    let s = server();
+    let r: Value = client()
+        .get(format!("{}/v1/models/smollm2", s.base))
+        .send()
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(r["id"], "smollm2");
+    assert_eq!(r["object"], "model");
+    let r = client()
+        .get(format!("{}/v1/models/org/other", s.base))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let e: Value = r.json().unwrap();
+    assert_eq!(e["error"]["code"], "model_not_found");
+    let body =
+        json!({"model": "smollm2", "prompt": "The sky is", "max_tokens": 5, "temperature": 0});
+    let (_, plain) = post(&s.base, "/v1/completions", body.clone());
+    let mut echo = body.clone();
+    echo["echo"] = json!(true);
+    let (code, r) = post(&s.base, "/v1/completions", echo.clone());
+    assert_eq!(code, 200, "{r}");
+    let expected = format!(
+        "The sky is{}",
+        plain["choices"][0]["text"].as_str().unwrap()
+    );
+    assert_eq!(r["choices"][0]["text"], expected.as_str());
+    echo["stream"] = json!(true);
+    let streamed: String = sse(&s.base, "/v1/completions", echo.clone())
+        .iter()
+        .filter(|d| d.as_str() != "[DONE]")
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    assert_eq!(streamed, expected);
+    echo["stream"] = json!(false);
+    echo["logprobs"] = json!(1);
+    let (code, e) = post(&s.base, "/v1/completions", echo);
+    assert_eq!(code, 400, "{e}");
+    assert_eq!(e["error"]["param"], "echo");
+}
+
+/// A Gateway API Inference Extension endpoint picker reads the vLLM spellings: under load
+/// they show the queue, the running batch and the KV blocks in use, and go back to zero.
+#[test]
+fn gie_model_server_metrics_follow_the_load() {
+    let s = spawn(
+        EngineConfig {
+            max_running: 2,
+            max_waiting: 8,
+            ..Default::default()
+        },
+        64,
+    );
+    let text = metrics_text(&s);
+    let info = text
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))
+        .unwrap_or_else(|| panic!("no vllm:cache_config_info in {text}"));
+    assert!(
+        info.contains(r#"block_size="16""#) && info.ends_with(" 1"),
+        "{info}"
+    );
+    assert!(text.contains(r#"max_lora="0"} 1"#), "{text}");
+    assert_eq!(metric(&text, "vllm:num_requests_waiting"), 0.0);
+    let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1000,
+        "stream": true, "temperature": 0.8, "ignore_eos": true});
+    let streams: Vec<_> = (0..6)
+        .map(|_| {
+            client()
+                .post(format!("{}/v1/completions", s.base))
+                .json(&long)
+                .send()
+                .unwrap()
+        })
+        .collect();
+    let mut seen = None;
+    for _ in 0..100 {
+        let text = metrics_text(&s);
+        let (waiting, running, kv) = (
+            metric(&text, "vllm:num_requests_waiting"),
+            metric(&text, "vllm:num_requests_running"),
+            metric(&text, "vllm:kv_cache_usage_perc"),
+        );
+        if waiting >= 4.0 && running == 2.0 && kv > 0.0 {
+            assert_eq!(waiting, metric(&text, "dspark_num_requests_waiting"));
+            assert_eq!(kv, metric(&text, "vllm:gpu_cache_usage_perc"));
+            seen = Some(kv);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        seen.is_some(),
+        "the gauges never showed 4 waiting, 2 running and KV in use"
+    );
+    drop(streams);
+    let mut idle = false;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(100));
+        let text = metrics_text(&s);
+        if metric(&text, "vllm:num_requests_waiting") == 0.0
+            && metric(&text, "vllm:num_requests_running") == 0.0
+            && metric(&text, "vllm:kv_cache_usage_perc") == 0.0
+        {
+            idle = true;
+            break;
+        }
+    }
+    assert!(idle, "the GIE gauges did not go back to zero");
+}

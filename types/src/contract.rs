@@ -27,6 +27,20 @@ pub mod paths {
     pub const ADMIN_STATE: &str = "/admin/v1/state";
     /// Admin: `PUT` installs a cost table.
     pub const ADMIN_COST_TABLE: &str = "/admin/v1/cost-table";
+    /// OpenAI Chat Completions API.
+    pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+    /// OpenAI (legacy) Completions API.
+    pub const COMPLETIONS: &str = "/v1/completions";
+    /// OpenAI Responses API.
+    pub const RESPONSES: &str = "/v1/responses";
+    /// The served models; `GET {MODELS}/{id}` is one model (404 `model_not_found`).
+    pub const MODELS: &str = "/v1/models";
+    /// vLLM's extension: text -> token ids.
+    pub const TOKENIZE: &str = "/tokenize";
+    /// vLLM's extension: token ids -> text.
+    pub const DETOKENIZE: &str = "/detokenize";
+    /// The online policy experiment's finished windows.
+    pub const EXPERIMENT: &str = "/experiment";
 }
 
 /// Long flag names (without the leading `--`) of `dspark-engine serve` and `profile` that

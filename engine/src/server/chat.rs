@@ -1,15 +1,15 @@
 //! `POST /v1/chat/completions`: messages (with earlier tool calls and results) rendered by
-//! the model's chat template with the request's tools, then the shared generation path;
-//! answers are split into content and tool calls (streamed as OpenAI streams them).
+//! the model's chat template with the request's tools ([`conversation`]), then the shared
+//! generation path; answers are split into content and tool calls (streamed as OpenAI
+//! streams them).
 
+use super::conversation::{self, call_id, reason_with_calls};
 use super::error::ApiError;
 use super::generate::{self, Finished, Render};
 use super::openai::*;
 use super::{check_model, gen_id, now_secs, request_span, AppState, Limits};
-use crate::chat::ChatMessage;
-use crate::constraint::GrammarSpec;
 use crate::engine::TokenLogprob;
-use crate::tools::{inline_tools, CallStream, Piece, Tool, ToolChoice, ToolSet};
+use crate::tools::{CallStream, Piece, ToolSet};
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::Response;
@@ -29,115 +29,14 @@ pub(super) async fn chat_completions(
     if req.messages.is_empty() {
         return Err(ApiError::invalid("messages", "messages must not be empty"));
     }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::invalid(
-                &format!("messages[{i}].role"),
-                format!(
-                    "unknown role '{}'; use system, developer, user, assistant or tool",
-                    m.role
-                ),
-            ));
-        }
-        let calls = m.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
-        let content = match &m.content {
-            // OpenAI's rule: only an assistant message that makes calls may leave its
-            // content out (or null).
-            None if m.role == "assistant" && calls => String::new(),
-            None => {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].content"),
-                    format!(
-                        "messages[{i}].content is missing or null; a message of role '{}' needs content (a string or an array of text parts){}",
-                        m.role,
-                        if m.role == "assistant" {
-                            " unless it carries tool_calls"
-                        } else {
-                            ""
-                        }
-                    ),
-                ))
-            }
-            Some(MessageContent::Text(t)) => t.clone(),
-            Some(MessageContent::Parts(parts)) => {
-                let mut s = String::new();
-                for (j, p) in parts.iter().enumerate() {
-                    if p.kind == "text" && p.text.is_none() {
-                        return Err(ApiError::invalid(
-                            &format!("messages[{i}].content[{j}].text"),
-                            format!("messages[{i}].content[{j}].text is missing or null; a text part needs its text"),
-                        ));
-                    }
-                    if p.kind != "text" {
-                        return Err(ApiError::invalid(
-                            &format!("messages[{i}].content"),
-                            format!(
-                                "content part type '{}' is not supported by a text model",
-                                p.kind
-                            ),
-                        ));
-                    }
-                    s.push_str(p.text.as_deref().unwrap_or(""));
-                }
-                s
-            }
-        };
-        let role = if m.role == "developer" {
-            "system"
-        } else {
-            m.role.as_str()
-        };
-        let mut msg = ChatMessage::text(role, content);
-        if m.role == "tool" {
-            let Some(id) = &m.tool_call_id else {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].tool_call_id"),
-                    "a tool message needs the tool_call_id of the call it answers",
-                ));
-            };
-            msg.tool_call_id = Some(id.clone());
-        }
-        if let Some(calls) = &m.tool_calls {
-            if m.role != "assistant" {
-                return Err(ApiError::invalid(
-                    &format!("messages[{i}].tool_calls"),
-                    "only assistant messages carry tool_calls",
-                ));
-            }
-            msg.tool_calls = Some(history_calls(i, calls)?);
-        }
-        messages.push(msg);
-    }
-    let tools = tool_set(&req)?;
+    let messages = conversation::messages("messages", &req.messages)?;
+    let tools = conversation::tool_set(
+        req.tools.as_deref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
     let mut v = v;
-    if let Some(t) = tools.as_ref().filter(|t| t.active()) {
-        match t.forced_grammar() {
-            Some(g) => {
-                if let Some((other, _)) = &v.grammar {
-                    return Err(ApiError::invalid(
-                        "tool_choice",
-                        format!("a required tool call cannot be combined with {other}"),
-                    ));
-                }
-                v.grammar = Some(("tools", GrammarSpec::ToolCalls(g)));
-            }
-            // The model decides; compiling the call grammar still checks every schema.
-            None => {
-                let spec = GrammarSpec::ToolCalls(t.any_call_grammar());
-                generate::compile(&st, &limits, "tools", spec).await?;
-            }
-        }
-    }
-    let active = tools.filter(|t| t.active());
-    if let Some(t) = &active {
-        if auto_stops_after_one_call(t) {
-            v.stop.push(crate::tools::CLOSE.to_string());
-        }
-    }
+    let active = conversation::apply_tools(&st, &limits, tools, &mut v).await?;
     let logprobs = if req.logprobs.unwrap_or(false) {
         let k = req.top_logprobs.unwrap_or(0);
         if !(0..=20).contains(&k) {
@@ -156,24 +55,7 @@ pub(super) async fn chat_completions(
         }
         None
     };
-    let st2 = st.clone();
-    let offered = active.as_ref().map(|t| t.tools.clone());
-    let prompt = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
-        let tmpl = &st2.template;
-        let text = if crate::tools::native_template(tmpl) {
-            let json: Option<Vec<serde_json::Value>> =
-                offered.map(|t| t.iter().map(Tool::to_json).collect());
-            tmpl.render_with_tools(&messages, json.as_deref(), true)
-        } else {
-            tmpl.render(&inline_tools(messages, offered.as_deref()), true)
-        }
-        .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        st2.tok
-            .encode(&text, false)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let prompt = conversation::prompt(&st, "messages", messages, active.as_ref()).await?;
     let prompt = generate::check_length(&st, prompt, v.max_tokens)?;
     let render = ChatRender {
         id: gen_id("chatcmpl"),
@@ -290,20 +172,6 @@ impl ChatRender {
     }
 }
 
-/// A call id, unique like OpenAI's (`call_` and 24 characters).
-fn call_id() -> String {
-    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
-}
-
-/// A finish reason, `tool_calls` when an answer that ended normally made calls.
-fn reason_with_calls(reason: &'static str, calls: usize) -> &'static str {
-    if calls > 0 && reason == "stop" {
-        "tool_calls"
-    } else {
-        reason
-    }
-}
-
 impl Render for ChatRender {
     type Chunk = ChatChunk;
     type Answer = ChatCompletion;
@@ -415,178 +283,6 @@ fn split_calls(
         Some(calls),
         reason,
     )
-}
-
-/// Whether the answer ends at the close of its first call: `tool_choice: auto` without
-/// `parallel_tool_calls`, where the model is free to write but one call is all it may make.
-/// The close tag is then a stop string (the splitter reads the unclosed block as the call,
-/// and the choice ends with `tool_calls`) rather than text the model writes past until
-/// `max_tokens`. Forced calls need none: their grammar ends after the last call allowed.
-fn auto_stops_after_one_call(t: &ToolSet) -> bool {
-    matches!(t.choice, ToolChoice::Auto) && !t.parallel
-}
-
-/// Most tools one request may offer (OpenAI's limit).
-const MAX_TOOLS: usize = 128;
-
-/// The request's tools and tool choice, checked; `None` without tools.
-fn tool_set(req: &ChatRequest) -> Result<Option<ToolSet>, ApiError> {
-    let Some(list) = &req.tools else {
-        if req.tool_choice.as_ref().is_some_and(|c| c != "none") {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "tool_choice is only allowed when tools are given",
-            ));
-        }
-        return Ok(None);
-    };
-    if list.len() > MAX_TOOLS {
-        return Err(ApiError::invalid(
-            "tools",
-            format!("at most {MAX_TOOLS} tools are allowed, got {}", list.len()),
-        ));
-    }
-    let mut tools: Vec<Tool> = Vec::with_capacity(list.len());
-    for (i, t) in list.iter().enumerate() {
-        if t.get("type").and_then(|k| k.as_str()) != Some("function") {
-            return Err(ApiError::invalid(
-                &format!("tools[{i}].type"),
-                "only tools of type 'function' are supported",
-            ));
-        }
-        let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-            ApiError::invalid(
-                &format!("tools[{i}].function"),
-                "a tool needs a function object",
-            )
-        })?;
-        let name = f.get("name").and_then(|n| n.as_str()).unwrap_or("");
-        let valid = (1..=64).contains(&name.len())
-            && name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if !valid {
-            return Err(ApiError::invalid(
-                &format!("tools[{i}].function.name"),
-                format!("function names are 1-64 letters, digits, '_' or '-', got '{name}'"),
-            ));
-        }
-        if tools.iter().any(|o| o.name == name) {
-            return Err(ApiError::invalid(
-                &format!("tools[{i}].function.name"),
-                format!("duplicate tool name '{name}'"),
-            ));
-        }
-        let parameters = match f.get("parameters") {
-            None | Some(serde_json::Value::Null) => {
-                serde_json::json!({"type": "object", "properties": {}})
-            }
-            Some(p) if p.is_object() => p.clone(),
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    &format!("tools[{i}].function.parameters"),
-                    "parameters must be a JSON schema object",
-                ))
-            }
-        };
-        tools.push(Tool {
-            name: name.to_string(),
-            description: f
-                .get("description")
-                .and_then(|d| d.as_str())
-                .map(str::to_string),
-            parameters,
-        });
-    }
-    let choice = match &req.tool_choice {
-        None => ToolChoice::Auto,
-        Some(serde_json::Value::String(s)) => match s.as_str() {
-            "none" => ToolChoice::None,
-            "auto" => ToolChoice::Auto,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!(
-                        "tool_choice must be none, auto, required or a function, got '{other}'"
-                    ),
-                ))
-            }
-        },
-        Some(c) => {
-            let name = c
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(|n| n.as_str())
-                .filter(|_| c.get("type").and_then(|t| t.as_str()) == Some("function"))
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        "tool_choice",
-                        "a tool_choice object is {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                    )
-                })?;
-            if !tools.iter().any(|t| t.name == name) {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!("tool_choice names '{name}', which is not among the tools"),
-                ));
-            }
-            ToolChoice::Named(name.to_string())
-        }
-    };
-    if tools.is_empty() && matches!(choice, ToolChoice::Required | ToolChoice::Named(_)) {
-        return Err(ApiError::invalid(
-            "tool_choice",
-            "tool_choice 'required' needs at least one tool",
-        ));
-    }
-    Ok(Some(ToolSet {
-        tools,
-        choice,
-        parallel: req.parallel_tool_calls.unwrap_or(true),
-    }))
-}
-
-/// An assistant message's earlier calls, checked, in the form templates take (arguments
-/// parsed into an object).
-fn history_calls(
-    i: usize,
-    calls: &[serde_json::Value],
-) -> Result<Vec<serde_json::Value>, ApiError> {
-    calls
-        .iter()
-        .enumerate()
-        .map(|(j, c)| {
-            let at = |f: &str| format!("messages[{i}].tool_calls[{j}]{f}");
-            let f = c.get("function").ok_or_else(|| {
-                ApiError::invalid(&at(".function"), "a tool call needs a function object")
-            })?;
-            let name = f.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
-                ApiError::invalid(&at(".function.name"), "a tool call needs a function name")
-            })?;
-            let arguments = match f.get("arguments") {
-                Some(serde_json::Value::String(s)) => serde_json::from_str::<serde_json::Value>(s)
-                    .map_err(|e| {
-                        ApiError::invalid(
-                            &at(".function.arguments"),
-                            format!("arguments must be JSON text: {e}"),
-                        )
-                    })?,
-                Some(v) if v.is_object() => v.clone(),
-                _ => {
-                    return Err(ApiError::invalid(
-                        &at(".function.arguments"),
-                        "a tool call needs its arguments as a JSON string",
-                    ))
-                }
-            };
-            Ok(serde_json::json!({
-                "id": c.get("id").cloned().unwrap_or_default(),
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }))
-        })
-        .collect()
 }
 
 fn token_logprob(text: &str, logprob: f32, top: Option<Vec<ChatTokenLogprob>>) -> ChatTokenLogprob {

@@ -1,5 +1,6 @@
 //! `POST /v1/completions`: one or several prompts (text or token ids), then the shared
-//! generation path. Choice `p * n + k` answers prompt `p`.
+//! generation path. Choice `p * n + k` answers prompt `p`; with `echo` its text begins with
+//! the prompt (a token prompt decoded).
 
 use super::error::ApiError;
 use super::generate::{self, Finished, Render};
@@ -22,8 +23,12 @@ pub(super) async fn completions(
     let Json(req) = body?;
     check_model(&st, &req.common.model)?;
     let mut v = validate_common(&req.common, st.tok.vocab_size)?;
-    if req.echo.unwrap_or(false) {
-        return Err(ApiError::invalid("echo", "echo is not supported"));
+    let echo = req.echo.unwrap_or(false);
+    if echo && req.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "echo with logprobs (the prompt's logprobs) is not supported; send echo without logprobs, or logprobs without echo",
+        ));
     }
     if req.suffix.is_some() {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
@@ -62,21 +67,34 @@ pub(super) async fn completions(
         v.max_tokens = Some(16);
     }
     let st2 = st.clone();
-    let ids = tokio::task::spawn_blocking(move || -> Result<Vec<Vec<u32>>, ApiError> {
+    type Tokenized = (Vec<Vec<u32>>, Vec<String>);
+    let (ids, texts) = tokio::task::spawn_blocking(move || -> Result<Tokenized, ApiError> {
         let vocab = st2.tok.vocab_size;
-        prompts
+        let mut texts = Vec::new();
+        let ids = prompts
             .into_iter()
             .enumerate()
             .map(|(i, p)| match p {
-                Prompt::Text(text) => st2
-                    .tok
-                    .encode(&text, st2.tok.add_bos)
-                    .map_err(|e| ApiError::invalid("prompt", e.to_string())),
+                Prompt::Text(text) => {
+                    let ids = st2
+                        .tok
+                        .encode(&text, st2.tok.add_bos)
+                        .map_err(|e| ApiError::invalid("prompt", e.to_string()));
+                    if echo {
+                        texts.push(text);
+                    }
+                    ids
+                }
                 Prompt::Tokens(t) => {
-                    generate::token_ids(&t, vocab, "prompt", &format!("prompt {i}: "))
+                    let ids = generate::token_ids(&t, vocab, "prompt", &format!("prompt {i}: "))?;
+                    if echo {
+                        texts.push(st2.tok.decode(&ids, false));
+                    }
+                    Ok(ids)
                 }
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok((ids, texts))
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
@@ -89,6 +107,11 @@ pub(super) async fn completions(
         created: now_secs(),
         model: st.model_id.clone(),
         logprobs: logprobs.is_some(),
+        echo: echo.then(|| {
+            (0..texts.len() * v.n)
+                .map(|i| texts[i / v.n].clone())
+                .collect()
+        }),
     };
     let span = request_span(&st, "text_completion", &headers);
     generate::respond(
@@ -109,9 +132,19 @@ struct CompletionRender {
     created: u64,
     model: String,
     logprobs: bool,
+    /// `echo`: each choice's prompt text, taken when its first text is sent.
+    echo: Option<Vec<String>>,
 }
 
 impl CompletionRender {
+    /// Choice `index`'s prompt the first time (`echo`), else nothing.
+    fn echo(&mut self, index: usize) -> String {
+        self.echo
+            .as_mut()
+            .map(|e| std::mem::take(&mut e[index]))
+            .unwrap_or_default()
+    }
+
     fn object(&self, choices: Vec<CompletionChoice>, usage: Option<UsageOut>) -> Completion {
         Completion {
             id: self.id.clone(),
@@ -136,7 +169,7 @@ impl Render for CompletionRender {
     ) -> Vec<Completion> {
         let choice = CompletionChoice {
             index,
-            text,
+            text: self.echo(index) + &text,
             logprobs: logprobs.map(|l| completion_logprobs(&l)),
             finish_reason: None,
         };
@@ -146,7 +179,7 @@ impl Render for CompletionRender {
     fn finish(&mut self, index: usize, reason: &'static str) -> Vec<Completion> {
         let choice = CompletionChoice {
             index,
-            text: String::new(),
+            text: self.echo(index),
             logprobs: None,
             finish_reason: Some(reason),
         };
@@ -157,13 +190,13 @@ impl Render for CompletionRender {
         self.object(vec![], Some(usage))
     }
 
-    fn answer(self, choices: Vec<Finished>, usage: UsageOut) -> Completion {
+    fn answer(mut self, choices: Vec<Finished>, usage: UsageOut) -> Completion {
         let choices = choices
             .into_iter()
             .map(|c| CompletionChoice {
                 index: c.index,
                 logprobs: self.logprobs.then(|| completion_logprobs(&c.logprobs)),
-                text: c.text,
+                text: self.echo(c.index) + &c.text,
                 finish_reason: Some(c.reason),
             })
             .collect();

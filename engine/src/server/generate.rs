@@ -52,6 +52,23 @@ pub trait Render: Send + 'static {
     fn usage(&mut self, usage: UsageOut) -> Self::Chunk;
     /// The whole answer.
     fn answer(self, choices: Vec<Finished>, usage: UsageOut) -> Self::Answer;
+    /// Streaming: the chunks sent before any token (the Responses API's
+    /// `response.created`); none by default.
+    fn start(&mut self) -> Vec<Self::Chunk> {
+        Vec::new()
+    }
+    /// The SSE frame of a chunk: a `data:` line by default.
+    fn frame(chunk: &Self::Chunk) -> SseEvent {
+        frame(chunk)
+    }
+    /// Streaming: a failure after the stream began, as the endpoint reports it (the OpenAI
+    /// error body by default).
+    fn failure(&mut self, e: &ApiError) -> SseEvent {
+        frame(&e.body())
+    }
+    /// Whether the stream ends with `data: [DONE]` (the Completions and Chat APIs do, the
+    /// Responses API does not).
+    const DONE: bool = true;
 }
 
 /// Token ids a client sent, checked against the vocabulary; errors name `param` and say
@@ -362,11 +379,13 @@ fn failed(st: &AppState, e: String) -> ApiError {
     }
 }
 
-fn frame<T: Serialize>(v: &T) -> SseEvent {
+/// A `data:` frame of `v` as JSON.
+pub fn frame<T: Serialize>(v: &T) -> SseEvent {
     SseEvent::default().data(serde_json::to_string(v).unwrap_or_default())
 }
 
-/// The merged event streams of every choice as SSE frames, ending with `[DONE]`.
+/// The renderer's opening chunks, then the merged event streams of every choice as SSE
+/// frames, ending with `[DONE]` (where the endpoint sends it).
 fn sse<R: Render>(
     st: Arc<AppState>,
     rxs: Vec<UnboundedReceiver<Event>>,
@@ -393,7 +412,8 @@ fn sse<R: Render>(
         ..Default::default()
     };
     let mut done = false;
-    merged
+    let start: Vec<_> = render.start().iter().map(R::frame).map(Ok).collect();
+    let events = merged
         .map(move |(i, ev)| {
             let _hold = &guard;
             let mut out = Vec::new();
@@ -408,25 +428,29 @@ fn sse<R: Render>(
             match ev {
                 Event::Delta { text, logprobs } => {
                     let lp = (!logprobs.is_empty()).then_some(logprobs);
-                    out.extend(render.delta(i, text, lp).iter().map(frame));
+                    out.extend(render.delta(i, text, lp).iter().map(R::frame));
                 }
                 Event::Finished { reason, usage: u } => {
                     ended[i] = true;
-                    out.extend(render.finish(i, reason.as_str()).iter().map(frame));
+                    out.extend(render.finish(i, reason.as_str()).iter().map(R::frame));
                     add_usage(&mut usage, &u, i % n == 0);
                     open -= 1;
                     if open == 0 {
                         if include_usage {
-                            out.push(frame(&render.usage(usage.clone())));
+                            out.push(R::frame(&render.usage(usage.clone())));
                         }
-                        out.push(SseEvent::default().data("[DONE]"));
+                        if R::DONE {
+                            out.push(SseEvent::default().data("[DONE]"));
+                        }
                         done = true;
                     }
                 }
                 Event::Error(e) => {
                     ended[i] = true;
-                    out.push(frame(&failed(&st, e).body()));
-                    out.push(SseEvent::default().data("[DONE]"));
+                    out.push(render.failure(&failed(&st, e)));
+                    if R::DONE {
+                        out.push(SseEvent::default().data("[DONE]"));
+                    }
                     done = true;
                 }
             }
@@ -435,5 +459,6 @@ fn sse<R: Render>(
             Some(out)
         })
         .take_while(|out| futures::future::ready(out.is_some()))
-        .flat_map(|out| futures::stream::iter(out.unwrap_or_default().into_iter().map(Ok)))
+        .flat_map(|out| futures::stream::iter(out.unwrap_or_default().into_iter().map(Ok)));
+    futures::stream::iter(start).chain(events)
 }

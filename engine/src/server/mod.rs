@@ -1,19 +1,23 @@
 //! The HTTP front door: OpenAI-compatible API, probes and metrics on one port.
 //!
-//! One file per endpoint: [`chat`] and [`completions`] validate and tokenize off the async
-//! runtime, then share one response path ([`generate`]): every prompt x `n` choice is
+//! One file per endpoint: [`chat`], [`responses`] (the Responses API; both read a
+//! conversation through [`conversation`]) and [`completions`] validate and tokenize off the
+//! async runtime, then share one response path ([`generate`]): every prompt x `n` choice is
 //! submitted to the engine thread through a bounded admission queue (429 past it), and the
 //! engine's events come back as SSE chunks or one answer, typed in [`openai`]. Dropping the
 //! response (client gone) drops the event receivers, which the engine notices at its next
-//! step and frees the sequences' KV blocks. Probes, metrics and `/v1/models` live here;
-//! the cost-table admin API in [`admin`]; the drain on SIGTERM in [`shutdown`].
+//! step and frees the sequences' KV blocks. Probes, metrics and `/v1/models` (and
+//! `/v1/models/{id}`) live here; the cost-table admin API in [`admin`]; the drain on
+//! SIGTERM in [`shutdown`].
 
 pub mod admin;
 mod chat;
 mod completions;
+mod conversation;
 pub mod error;
 mod generate;
 pub mod openai;
+mod responses;
 pub mod shutdown;
 mod tokenize;
 
@@ -26,6 +30,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use dspark_types::contract::paths;
 use error::ApiError;
 use openai::*;
 use serde_json::{json, Value};
@@ -103,15 +108,18 @@ pub fn router(state: Arc<AppState>) -> Router {
 pub fn router_with(state: Arc<AppState>, limits: Limits) -> Router {
     let max = limits.max_request_bytes;
     Router::new()
-        .route("/v1/chat/completions", post(chat::chat_completions))
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/models", get(models))
-        .route("/tokenize", post(tokenize::tokenize))
-        .route("/detokenize", post(tokenize::detokenize))
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .route("/experiment", get(experiment))
+        .route(paths::CHAT_COMPLETIONS, post(chat::chat_completions))
+        .route(paths::COMPLETIONS, post(completions::completions))
+        .route(paths::RESPONSES, post(responses::responses))
+        .route(paths::MODELS, get(models))
+        // A catch-all: served names may hold slashes (`org/model`).
+        .route(&format!("{}/{{*id}}", paths::MODELS), get(model))
+        .route(paths::TOKENIZE, post(tokenize::tokenize))
+        .route(paths::DETOKENIZE, post(tokenize::detokenize))
+        .route(paths::HEALTH, get(health))
+        .route(paths::READY, get(ready))
+        .route(paths::METRICS, get(metrics))
+        .route(paths::EXPERIMENT, get(experiment))
         .with_state(state)
         .layer(axum::Extension(limits))
         // The whole body is read by `limit_body` (within the limit), so the extractors'
@@ -292,17 +300,34 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+fn model_card(st: &AppState) -> ModelCard {
+    ModelCard {
+        id: st.model_id.clone(),
+        object: "model",
+        created: st.created,
+        owned_by: "dspark",
+        max_model_len: st.max_seq,
+    }
+}
+
 async fn models(State(st): State<Arc<AppState>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: st.model_id.clone(),
-            object: "model",
-            created: st.created,
-            owned_by: "dspark",
-            max_model_len: st.max_seq,
-        }],
+        data: vec![model_card(&st)],
     })
+}
+
+/// `GET /v1/models/{id}`: the served model (by its name; `default` is not listed, so it
+/// is not found here either), else 404 `model_not_found`.
+async fn model(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    if id == st.model_id {
+        Ok(Json(model_card(&st)))
+    } else {
+        Err(ApiError::model_not_found(&id, &st.model_id))
+    }
 }
 
 fn check_model(st: &AppState, model: &str) -> Result<(), ApiError> {

@@ -1,5 +1,6 @@
-//! OpenAI wire types for `/v1/chat/completions`, `/v1/completions` and `/v1/models`
-//! (requests and responses), and the validation of requests into engine settings.
+//! OpenAI wire types for `/v1/chat/completions`, `/v1/completions`, `/v1/models` and the
+//! `/v1/responses` request (its answer and events are built in [`super::responses`]), and
+//! the validation of requests into engine settings.
 
 use super::error::ApiError;
 use serde::{Deserialize, Serialize};
@@ -79,8 +80,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Parameters common to both endpoints.
-#[derive(Debug, Deserialize)]
+/// Parameters common to both endpoints (the Responses API fills them from its own
+/// spellings).
+#[derive(Debug, Deserialize, Default)]
 pub struct CommonParams {
     pub model: String,
     pub max_tokens: Option<i64>,
@@ -141,6 +143,56 @@ pub struct CompletionRequest {
     pub suffix: Option<String>,
     #[serde(flatten)]
     pub common: CommonParams,
+}
+
+/// `/v1/responses` request: the fields this server reads (others, such as `metadata`,
+/// `user`, `reasoning`, `include`, are accepted and ignored).
+#[derive(Debug, Deserialize)]
+pub struct ResponsesRequest {
+    /// The served model or `default` (the served model when left out).
+    pub model: Option<String>,
+    pub input: ResponsesInput,
+    /// A system message before the input.
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Flat function tools: `[{"type": "function", "name", "description", "parameters",
+    /// "strict"}]`.
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// `"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`.
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema",
+    /// "strict"}}`.
+    pub text: Option<serde_json::Value>,
+    #[serde(default)]
+    pub stream: bool,
+    /// Accepted; responses are never stored.
+    pub store: Option<bool>,
+    /// Refused (400): nothing is stored to continue from.
+    pub previous_response_id: Option<String>,
+    pub conversation: Option<serde_json::Value>,
+    pub background: Option<bool>,
+    /// Extensions, as on the other endpoints.
+    pub top_k: Option<i64>,
+    pub seed: Option<u64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+/// The Responses API's `input`: a user message, or a list of items (messages, function
+/// calls, function call outputs).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ResponsesInput {
+    Text(String),
+    Items(Vec<serde_json::Value>),
 }
 
 /// Most choices (`n`) one request may ask for.
