@@ -199,11 +199,14 @@ fn enums_are_the_contracts_lists() {
     assert_eq!(values(&spec["scheduler"]["properties"]["policy"]), want);
 }
 
+/// One case: the error expected and the edit that provokes it.
+type Case = (&'static str, Box<dyn FnOnce(&mut Value)>);
+
 /// The held-out cases of issue 51 and the other fields the operator copies into pods are
 /// refused, each naming its field.
 #[test]
 fn fields_copied_into_pods_are_validated() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut Value)>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "hostPath.path must be an absolute path",
             Box::new(|v| {
@@ -379,7 +382,7 @@ fn cel_rules_are_bounded_and_cheap() {
         for walk in [".all(", ".exists(", ".exists_one(", ".filter(", ".map("] {
             if let Some(list) = rule
                 .strip_prefix("self.")
-                .and_then(|r| r.split(walk).nth(0))
+                .and_then(|r| r.split(walk).next())
             {
                 if rule.contains(walk) && !list.contains(['(', ' ', '.']) {
                     let l = &node["properties"][list];

@@ -76,7 +76,7 @@ impl std::str::FromStr for SourceUri {
                 })
             }
             "https" | "http" => {
-                if !rest.split('/').next().is_some_and(|h| !h.is_empty()) {
+                if rest.split('/').next().is_none_or(|h| h.is_empty()) {
                     return err(format!("bad source '{s}': no host"));
                 }
                 Ok(SourceUri::Https(s.to_string()))
