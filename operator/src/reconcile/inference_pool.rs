@@ -16,10 +16,14 @@ use kube::api::{
 use kube::{Api, Resource, ResourceExt};
 use serde_json::{json, Value};
 
+use super::context::Runtime;
 use super::names::{owner, LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER};
+use super::writers::publish;
 use super::Context;
 use crate::crd::{DSparkDeployment, FailureMode};
 use crate::{Error, Result};
+use kube::runtime::events::EventType;
+use tracing::{info, warn};
 
 pub const GROUP: &str = "inference.networking.k8s.io";
 pub const VERSION: &str = "v1";
@@ -142,6 +146,55 @@ pub async fn sync(ctx: &Context, ns: &str, dsd: &DSparkDeployment, look: bool) -
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(Outcome::NoCrd),
         Err(source) => Err(apply_error(&name, source)),
     }
+}
+
+/// The InferencePool of `spec.inferencePool` applied (or pruned when the field is gone),
+/// what exists remembered for the status; a cluster without the CRD gets one Warning per
+/// generation.
+pub(super) async fn phase(
+    ctx: &Context,
+    ns: &str,
+    dsd: &DSparkDeployment,
+    rt: &mut Runtime,
+    fresh: bool,
+) -> Result<()> {
+    let had = dsd.status.as_ref().and_then(|s| s.inference_pool.as_ref());
+    let look = fresh || had.is_some() || rt.inference_pool.is_some();
+    rt.inference_pool = match sync(ctx, ns, dsd, look).await? {
+        Outcome::Applied(name) => Some(name),
+        Outcome::Absent { deleted } => {
+            if deleted {
+                let note = format!(
+                    "deleted InferencePool {}: spec.inferencePool is unset",
+                    pool_name(dsd)
+                );
+                info!("{note}");
+                publish(ctx, dsd, EventType::Normal, "Pruned", note).await;
+            }
+            None
+        }
+        Outcome::NoCrd => {
+            if rt.inference_pool_warned != dsd.metadata.generation {
+                rt.inference_pool_warned = dsd.metadata.generation;
+                let note = format!(
+                    "spec.inferencePool is set but the cluster has no InferencePool CRD \
+                     ({}.{}/{}): install the Gateway API Inference Extension's CRDs",
+                    PLURAL, GROUP, VERSION
+                );
+                warn!("{note}");
+                publish(
+                    ctx,
+                    dsd,
+                    EventType::Warning,
+                    "InferencePoolUnavailable",
+                    note,
+                )
+                .await;
+            }
+            None
+        }
+    };
+    Ok(())
 }
 
 fn apply_error(name: &str, source: kube::Error) -> Error {

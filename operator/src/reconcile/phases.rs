@@ -511,7 +511,7 @@ async fn act(pass: &Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>]) -> Resu
     // A new generation may leave objects behind: list them fresh until one reconcile of it
     // has pruned everything; at rest the caches are enough.
     let fresh = rt.pruned_generation != dsd.metadata.generation;
-    inference_pool_phase(pass, rt, fresh).await?;
+    inference_pool::phase(pass.ctx, pass.ns.as_str(), pass.dsd, rt, fresh).await?;
     let pruned = prune::pool_objects(ctx, ns, dsd, fresh).await?;
     if !pruned.is_empty() {
         info!(objects = ?pruned, "pruned");
@@ -548,52 +548,6 @@ async fn act(pass: &Pass<'_>, rt: &mut Runtime, pools: &[PoolState<'_>]) -> Resu
     rt.observations
         .retain(|k, _| pool_names.contains(&k.as_str()));
     rt.breached.retain(|k, _| pool_names.contains(&k.as_str()));
-    Ok(())
-}
-
-/// The InferencePool of `spec.inferencePool` applied (or pruned when the field is gone),
-/// what exists remembered for the status; a cluster without the CRD gets one Warning per
-/// generation.
-async fn inference_pool_phase(pass: &Pass<'_>, rt: &mut Runtime, fresh: bool) -> Result<()> {
-    let (dsd, ctx, ns) = (pass.dsd, pass.ctx, pass.ns.as_str());
-    let had = dsd.status.as_ref().and_then(|s| s.inference_pool.as_ref());
-    let look = fresh || had.is_some() || rt.inference_pool.is_some();
-    rt.inference_pool = match inference_pool::sync(ctx, ns, dsd, look).await? {
-        inference_pool::Outcome::Applied(name) => Some(name),
-        inference_pool::Outcome::Absent { deleted } => {
-            if deleted {
-                let note = format!(
-                    "deleted InferencePool {}: spec.inferencePool is unset",
-                    inference_pool::pool_name(dsd)
-                );
-                info!("{note}");
-                publish(ctx, dsd, EventType::Normal, "Pruned", note).await;
-            }
-            None
-        }
-        inference_pool::Outcome::NoCrd => {
-            if rt.inference_pool_warned != dsd.metadata.generation {
-                rt.inference_pool_warned = dsd.metadata.generation;
-                let note = format!(
-                    "spec.inferencePool is set but the cluster has no InferencePool CRD \
-                     ({}.{}/{}): install the Gateway API Inference Extension's CRDs",
-                    inference_pool::PLURAL,
-                    inference_pool::GROUP,
-                    inference_pool::VERSION
-                );
-                warn!("{note}");
-                publish(
-                    ctx,
-                    dsd,
-                    EventType::Warning,
-                    "InferencePoolUnavailable",
-                    note,
-                )
-                .await;
-            }
-            None
-        }
-    };
     Ok(())
 }
 
