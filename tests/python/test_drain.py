@@ -96,7 +96,7 @@ def test_drain_deadline_bounds_shutdown():
         proc.wait(timeout=30)
         took = time.time() - t0
         assert took < 10, f"exit took {took:.1f}s with a 1 s drain deadline"
-        assert "drain deadline passed" in open(log).read()
+        assert "drain timeout passed" in open(log).read()
     finally:
         if proc.poll() is None:
             proc.kill()
