@@ -104,8 +104,9 @@ pub async fn sync(ctx: &Context, ns: &str, dsd: &DSparkDeployment, look: bool) -
         }
         let found = match api.get_opt(&name).await {
             Ok(found) => found,
-            // No CRD: nothing can exist.
-            Err(kube::Error::Api(e)) if e.code == 404 => None,
+            // No CRD: nothing can exist. Forbidden: this operator's RBAC (an older chart)
+            // does not cover InferencePools, so it cannot have made one.
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 403 => None,
             Err(source) => return Err(apply_error(&name, source)),
         };
         let Some(found) = found else {
