@@ -9,7 +9,7 @@
 # Envoy runs here): it sends each request's headers and body over ext_proc and prints the
 # endpoint the picker chose.
 #   1. both engines idle: every pick is a live engine, and both get picked;
-#   2. one engine's queue full (requests sent straight to it, more than --max-running):
+#   2. one engine's queue full (requests sent straight to it, more than its --max-running):
 #      every pick goes to the other engine;
 #   3. that engine's pool removed from the DSparkDeployment: its pod goes and it is never
 #      picked again; the InferencePool still selects what remains.
@@ -134,11 +134,12 @@ assert picks and all(p in live for p in picks), (picks, live)
 EOF
   mark "endpoint picker (GIE $(basename "$(dirname "$GIE_BIN")") reference EPP) running on the InferencePool: idle picks spread over $(sort -u <<<"$picks" | tr '\n' ' ')"
 
-  # Fill A's queue: more long requests straight to it than its --max-running (16).
+  # Fill A's queue: more long requests straight to it than its --max-running (64, the
+  # engine's default).
   local i
-  for i in $(seq 1 24); do
+  for i in $(seq 1 80); do
     curl -sN --max-time 300 "http://$a_ip:8000/v1/completions" -H 'content-type: application/json' \
-      -d "{\"model\":\"$MODEL_ID\",\"prompt\":\"Write a long story, part $i:\",\"max_tokens\":400,\"temperature\":0,\"stream\":true}" \
+      -d "{\"model\":\"default\",\"prompt\":\"Write a long story, part $i:\",\"max_tokens\":400,\"temperature\":0,\"stream\":true}" \
       >/dev/null 2>&1 &
     GIE_LOAD_PIDS+=($!)
   done
