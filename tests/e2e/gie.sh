@@ -132,7 +132,7 @@ live = {l.split()[0] + ":8000" for l in sys.argv[2:]}
 picks = sys.argv[1].split()
 assert picks and all(p in live for p in picks), (picks, live)
 EOF
-  mark "endpoint picker (GIE $(basename "$(dirname "$GIE_BIN")") reference EPP) running on the InferencePool: idle picks spread over $(sort -u <<<"$picks" | tr '\n' ' ')"
+  mark "endpoint picker (GIE $(awk '$1 == "sigs.k8s.io/gateway-api-inference-extension" {print $2}' "$ROOT/tests/cluster/gie/go.mod") reference EPP) running on the InferencePool: idle picks spread over $(sort -u <<<"$picks" | tr '\n' ' ')"
 
   # Fill A's queue: more long requests straight to it than its --max-running (64, the
   # engine's default).
