@@ -31,6 +31,8 @@ pub struct VerbLabel {
 /// Counters of what the operator did.
 #[derive(Debug)]
 pub struct Metrics {
+    /// Reconciles finished, successfully or not (counted at the end, as controller-runtime's
+    /// `controller_runtime_reconcile_total`: one that has started and not ended is not here).
     pub reconciles: AtomicU64,
     pub reconcile_errors: AtomicU64,
     /// Sum of reconcile durations, microseconds (the OTLP counter reads it).
@@ -107,6 +109,7 @@ pub fn kube_verb(method: &hyper::Method, query: Option<&str>) -> &'static str {
 impl Metrics {
     /// Records one finished reconcile that took `elapsed`.
     pub fn observe_reconcile(&self, elapsed: std::time::Duration) {
+        Self::inc(&self.reconciles);
         self.reconcile_micros
             .fetch_add(elapsed.as_micros() as u64, Ordering::Relaxed);
         self.reconcile_duration.observe(elapsed.as_secs_f64());
@@ -170,7 +173,7 @@ impl Metrics {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counter(
             &om::RECONCILES.sample(),
-            "Reconciles run.",
+            "Reconciles finished (successfully or not).",
             g(&self.reconciles),
         );
         counter(
@@ -400,6 +403,7 @@ mod tests {
         let m = Metrics::default();
         m.observe_reconcile(std::time::Duration::from_millis(30));
         m.observe_reconcile(std::time::Duration::from_millis(700));
+        assert_eq!(m.reconciles.load(Ordering::Relaxed), 2);
         let get = hyper::Method::GET;
         m.count_request(
             &get,

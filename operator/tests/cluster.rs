@@ -345,7 +345,7 @@ async fn finish_profiling_pod(client: &Client, ns: &str, job: &str, message: &st
 }
 
 /// Runs the controller for namespace `ns` only, in the background.
-fn run_controller(client: &Client, ns: &str) -> tokio::task::JoinHandle<()> {
+fn run_controller(client: &Client, ns: &str) -> Running {
     run_controller_with(client, ns, Default::default())
 }
 
@@ -355,7 +355,7 @@ fn run_controller_with(
     client: &Client,
     ns: &str,
     metrics: std::sync::Arc<dspark_operator::telemetry::Metrics>,
-) -> tokio::task::JoinHandle<()> {
+) -> Running {
     let controller = controller(client, Some(ns));
     let recorder = Recorder::new(
         client.clone(),
@@ -367,15 +367,72 @@ fn run_controller_with(
     let ctx = std::sync::Arc::new(Context::new(
         client.clone(),
         recorder,
-        metrics,
+        metrics.clone(),
         controller.store(),
         dspark_operator::reconcile::cache::Caches::start(client, Some(ns)),
     ));
-    tokio::spawn(
+    let task = tokio::spawn(
         controller
             .run(reconcile, error_policy, ctx)
             .for_each(|_| async {}),
-    )
+    );
+    Running { task, metrics }
+}
+
+/// A controller running in the test process, and its counters.
+struct Running {
+    task: tokio::task::JoinHandle<()>,
+    metrics: std::sync::Arc<dspark_operator::telemetry::Metrics>,
+}
+
+impl Running {
+    fn abort(&self) {
+        self.task.abort();
+    }
+
+    /// Reconciles finished so far.
+    fn finished(&self) -> u64 {
+        self.metrics
+            .reconciles
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Waits until `n` more reconciles have finished (see [`reconciles_finish`]).
+    async fn reconciles(&self, what: &str, n: u64) {
+        self.reconciles_since(what, self.finished(), n).await
+    }
+
+    /// Waits until `n` reconciles have finished since [`Running::finished`] read `start`.
+    async fn reconciles_since(&self, what: &str, start: u64, n: u64) {
+        let c = || std::future::ready(Some(self.finished()));
+        reconciles_finish(what, Some(start), n, c).await
+    }
+}
+
+/// Waits until `n` reconciles finish after `start` (`None`: the count at this call); `count`
+/// reads the operator's counter of finished reconciles (`None`: not readable yet). Reconciles are counted when they end
+/// and kube-runtime never runs two of one object at once, so with one deployment `n = 2`
+/// takes at least one whole reconcile that began after this call. Tests that show something
+/// did NOT happen wait on this instead of sleeping: every such reconcile had its chance to
+/// do it. The deployments under test reconcile every second (`autoscaling.periodSeconds: 1`).
+async fn reconciles_finish<F, Fut>(what: &str, mut start: Option<u64>, n: u64, mut count: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<u64>>,
+{
+    let limit = Duration::from_secs(60);
+    let deadline = Instant::now() + limit;
+    loop {
+        match (start, count().await) {
+            (None, Some(c)) => start = Some(c),
+            (Some(s), Some(c)) if c >= s + n => return,
+            _ => {}
+        }
+        if Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting for {n} reconciles {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]
@@ -389,6 +446,8 @@ async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
     dsd.spec.scaling = Some(dspark_operator::crd::ScalingSpec {
         mode: Some(dspark_operator::crd::ScalingMode::External),
     });
+    // A reconcile every second: each is a chance to start a Job too early.
+    dsd.spec.autoscaling.period_seconds = 1;
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
     // The /scale subresource sets the total; the policy spreads it over the pools.
@@ -460,7 +519,7 @@ async fn scale_subresource_spreads_the_total_and_failed_profiling_backs_off() {
         }
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    handle.reconciles("after the profiling failure", 3).await;
     let jobs = Api::<Job>::namespaced(client.clone(), &ns)
         .list(
             &ListParams::default()
@@ -1193,10 +1252,10 @@ async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
     };
     let mut first = Operator::spawn(&ns, &["--no-leader-election"], &[]);
     let dsds: Api<DSparkDeployment> = Api::namespaced(client.clone(), &ns);
-    let dsd = dsds
-        .create(&PostParams::default(), &two_pools())
-        .await
-        .unwrap();
+    let mut dsd = two_pools();
+    // A reconcile every second: each is a chance to create a duplicate.
+    dsd.spec.autoscaling.period_seconds = 1;
+    let dsd = dsds.create(&PostParams::default(), &dsd).await.unwrap();
     let uid = dsd.uid().unwrap();
 
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
@@ -1225,7 +1284,7 @@ async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
         dsds.get("qwen3-8b").await.unwrap().status.is_some(),
     );
     eprintln!("killed with (Deployments, Services, status written) = {at_kill:?}");
-    let _second = Operator::spawn(&ns, &["--no-leader-election"], &[]);
+    let second = Operator::spawn(&ns, &["--no-leader-election"], &[]);
 
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), &ns);
     wait_for("the status to observe the generation", || {
@@ -1239,8 +1298,19 @@ async fn an_operator_restarted_mid_reconcile_converges_without_duplicates() {
         }
     })
     .await;
-    // Time for a duplicate to show up, were one coming.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Reconciles after converging: a chance for a duplicate to show up, were one coming.
+    reconciles_finish(
+        "of the restarted operator after converging",
+        None,
+        3,
+        || async {
+            second
+                .metric("dspark_operator_reconciles_total")
+                .await
+                .map(|v| v as u64)
+        },
+    )
+    .await;
     let pools = ["qwen3-8b-a100", "qwen3-8b-h100"];
     assert_eq!(managed::<Deployment>(&client, &ns, &uid).await, pools);
     assert_eq!(
@@ -1353,10 +1423,10 @@ async fn advisory_mode_records_the_decision_and_changes_nothing() {
 
     // Several more evaluations: the breach goes on, the Deployment stays at one replica.
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &ns);
-    for _ in 0..8 {
+    for _ in 0..4 {
         let dep = deployments.get("smollm2-a100").await.unwrap();
         assert_eq!(dep.spec.replicas, Some(1), "advisory mode scaled");
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        handle.reconciles("of the advisory evaluation", 2).await;
     }
     let s = dsds.get("smollm2").await.unwrap().status.unwrap();
     assert_eq!(s.slo_status.as_deref(), Some("Breached"));
@@ -1512,7 +1582,9 @@ async fn a_new_engine_version_releases_the_old_cost_table_and_its_profiling_job(
     let cts: Api<DSparkCostTable> = Api::namespaced(client.clone(), &ns);
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     let handle = run_controller(&client, &ns);
-    let a = sample("dsparkdeployment-smollm2.yaml");
+    let mut a = sample("dsparkdeployment-smollm2.yaml");
+    // A reconcile every second: each is a chance to release the old table too early.
+    a.spec.autoscaling.period_seconds = 1;
     let mut b = a.clone();
     b.metadata.name = Some("smollm2-b".into());
     let a_uid = dsds
@@ -1578,8 +1650,9 @@ async fn a_new_engine_version_releases_the_old_cost_table_and_its_profiling_job(
     })
     .await;
     assert_ne!(new.name_any(), old_name);
-    // Still in use by smollm2-b: the old table and its Job stay.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Still in use by smollm2-b: the old table and its Job stay, reconciles later (two
+    // deployments: five finished reconciles hold at least two whole ones after this point).
+    handle.reconciles("with the new table", 5).await;
     assert!(cts.get_opt(&old_name).await.unwrap().is_some());
     assert!(jobs.get_opt(&old_job).await.unwrap().is_some());
 
@@ -1906,6 +1979,8 @@ async fn rollout_conditions_follow_the_pool_deployments() {
     let mut dsd = sample("dsparkdeployment-smollm2.yaml");
     dsd.spec.replicas = Some(1);
     dsd.spec.profiling.enabled = false;
+    // A reconcile every second: each is a chance for `Ready` to flip.
+    dsd.spec.autoscaling.period_seconds = 1;
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
     let first = engine_pod(&pods, "a100", |_| true).await;
@@ -1982,7 +2057,7 @@ async fn rollout_conditions_follow_the_pool_deployments() {
             "Ready flipped on a scale-up: {ready:?}"
         );
         assert_eq!(available, t("True", "MinimumReplicasAvailable"));
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        handle.reconciles("while the new pod starts", 1).await;
     }
     let status = dsds.get("smollm2").await.unwrap().status.unwrap();
     assert_eq!((status.ready_replicas, status.desired_replicas), (1, 2));
@@ -2471,6 +2546,8 @@ async fn pools_and_conditions_merge_by_key_across_field_managers() {
     let handle = run_controller(&client, &ns);
     let mut dsd = sample("dsparkdeployment-smollm2.yaml");
     dsd.spec.profiling.enabled = false;
+    // A reconcile every second: each is a chance to drop the other manager's condition.
+    dsd.spec.autoscaling.period_seconds = 1;
     dsds.patch(
         "smollm2",
         &PatchParams::apply("team-a"),
@@ -2558,7 +2635,7 @@ async fn pools_and_conditions_merge_by_key_across_field_managers() {
         }
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    handle.reconciles("after the spec change", 3).await;
     let status = dsds.get("smollm2").await.unwrap().status.unwrap_or(status);
     let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
     assert!(types.contains(&"PolicyCompliant"), "{types:?}");
@@ -2768,7 +2845,11 @@ async fn the_admin_token_goes_only_to_pods_this_deployment_owns() {
         async move { (n > 0).then_some(()) }
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Reconciles after the owned pod's first push and scrape: each a chance to reach the
+    // impostor, were it taken for an engine of this deployment.
+    handle
+        .reconciles("after the first push and scrape", 3)
+        .await;
     assert!(
         foreign.pushes.lock().unwrap().is_empty(),
         "the admin token went to a pod this deployment does not own"
@@ -3003,28 +3084,24 @@ async fn a_deployment_at_rest_costs_no_api_requests_and_drift_is_repaired() {
     dsd.spec.autoscaling.period_seconds = 1;
     dsds.create(&PostParams::default(), &dsd).await.unwrap();
 
-    // Converged: some window of 3 s holds at least two reconciles and no write.
+    // Converged: two reconciles in a row finished without a write.
     let quiet = |what: &'static str| {
+        let handle = &handle;
         let metrics = metrics.clone();
         wait_for(what, move || {
             let metrics = metrics.clone();
             async move {
-                let (r0, _, w0) = traffic(&metrics);
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                let (r1, _, w1) = traffic(&metrics);
-                (r1 >= r0 + 2 && w1 == w0).then_some(())
+                let (_, _, w0) = traffic(&metrics);
+                handle.reconciles(what, 2).await;
+                (traffic(&metrics).2 == w0).then_some(())
             }
         })
     };
     quiet("the deployment to come to rest").await;
     // At rest: reconciles keep running, from the caches, and send nothing at all.
     let before = traffic(&metrics);
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    handle.reconciles("at rest", 3).await;
     let after = traffic(&metrics);
-    assert!(
-        after.0 >= before.0 + 3,
-        "reconciles at rest: {before:?} -> {after:?}"
-    );
     assert_eq!(
         (after.1 - before.1, after.2 - before.2),
         (0, 0),
@@ -3127,8 +3204,12 @@ async fn a_suspended_deployment_is_left_alone_until_resumed() {
     })
     .await;
 
-    // Hand-scaled while suspended: left as it is through several reconcile periods (a
-    // running operator repairs this within a second, see the test above).
+    // Hand-scaled while suspended: left as it is by the reconciles that follow (a running
+    // operator repairs this within a second, see the test above). The patch triggers a
+    // reconcile (the operator watches its Deployments) and one may be in flight; suspended,
+    // nothing requeues, so after the first to finish a touch of the deployment's metadata
+    // triggers another: the second to finish began after the patch.
+    let start = handle.finished();
     deployments
         .patch(
             "smollm2-a100",
@@ -3137,7 +3218,19 @@ async fn a_suspended_deployment_is_left_alone_until_resumed() {
         )
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    handle
+        .reconciles_since("after the hand-scaling", start, 1)
+        .await;
+    dsds.patch(
+        "smollm2",
+        &PatchParams::default(),
+        &Patch::Merge(
+            serde_json::json!({"metadata": {"annotations": {"test.dspark.dev/touch": "1"}}}),
+        ),
+    )
+    .await
+    .unwrap();
+    handle.reconciles_since("after the touch", start, 2).await;
     assert_eq!(replicas_of(&deployments, "smollm2-a100").await, Some(9));
 
     suspend(false).await;

@@ -118,12 +118,12 @@ pub fn error_policy(dsd: Arc<DSparkDeployment>, error: &Error, ctx: Arc<Context>
 pub async fn reconcile(dsd: Arc<DSparkDeployment>, ctx: Arc<Context>) -> Result<Action> {
     ctx.caches.ready().await.map_err(Error::Cache)?;
     let t0 = Instant::now();
-    Metrics::inc(&ctx.metrics.reconciles);
     let key = object_key(&dsd);
     if dsd.meta().deletion_timestamp.is_some() {
         // Owner references let the garbage collector remove everything this owns.
         ctx.runtime.lock().expect("runtime lock").remove(&key);
         ctx.metrics.forget_deployment(&key);
+        ctx.metrics.observe_reconcile(t0.elapsed());
         return Ok(Action::await_change());
     }
     if dsd.spec.suspend == Some(true) {
