@@ -4,7 +4,7 @@
 # 1/4/16/32 concurrent streams with bench/loadgen.py against `dspark-engine serve`.
 # Same prompts as bench/peer-llamacpp.sh (loadgen's default set).
 # Usage: bench/engine.sh MODEL.gguf [extra serve args...]
-# Env: DURATION (s per level, default 30), OUT_DIR
+# Env: DURATION (s per level, default 30), LEVELS (stream counts, default 1,4,16,32), OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL="$1"; shift
@@ -27,7 +27,7 @@ PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break; sleep 0.2; done
 echo "== throughput (loadgen, closed loop, ${DURATION}s per level, 128 output tokens, ignore EOS)"
-python3 bench/loadgen.py --url "http://127.0.0.1:$PORT" --model bench --concurrency 1,4,16,32 \
+python3 bench/loadgen.py --url "http://127.0.0.1:$PORT" --model bench --concurrency "${LEVELS:-1,4,16,32}" \
   --duration "$DURATION" --max-tokens 128 --ignore-eos \
   --json-out "$OUT/loadgen.json"
 echo "results in $OUT"
