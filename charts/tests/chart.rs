@@ -397,6 +397,19 @@ fn chart_installs_runs_the_operator_passes_helm_test_and_uninstalls() {
     let t0 = Instant::now();
     let ns = format!("dspark-chart-{}", std::process::id());
     let release = "chart-test";
+    let uninstall = |timeout: &str| {
+        let mut cmd = Command::new(&helm);
+        cmd.args([
+            "uninstall",
+            release,
+            "-n",
+            &ns,
+            "--wait",
+            "--timeout",
+            timeout,
+        ]);
+        cmd
+    };
     let cluster_dir =
         std::env::var("DSPARK_CLUSTER_DIR").unwrap_or_else(|_| "/tmp/dspark-cluster".into());
 
@@ -639,16 +652,7 @@ spec:
             "--timeout=60s",
         ])
         .unwrap();
-        run(Command::new(&helm).args([
-            "uninstall",
-            release,
-            "-n",
-            &ns,
-            "--wait",
-            "--timeout",
-            "90s",
-        ]))
-        .unwrap();
+        run(&mut uninstall("90s")).unwrap();
         wait_for("the operator pod to go", 60, || {
             k(&[
                 "get",
@@ -701,17 +705,7 @@ spec:
             t0.elapsed().as_secs_f64()
         );
     });
-    let _ = Command::new(&helm)
-        .args([
-            "uninstall",
-            release,
-            "-n",
-            &ns,
-            "--wait",
-            "--timeout",
-            "60s",
-        ])
-        .output();
+    let _ = uninstall("60s").output();
     let _ = k(&["delete", "namespace", &ns, "--wait=true", "--timeout=60s"]);
     if !shared_kubelet {
         let _ = k(&[

@@ -95,22 +95,16 @@ class Board:
         var.append({"name": "datasource", "label": "Prometheus", "type": "datasource",
                     "query": "prometheus", "current": {}, "hide": 0, "refresh": 1,
                     "regex": "", "options": []})
-        if "model" in self.variables:
-            var.append({"name": "model", "label": "model", "type": "query", "datasource": DS,
-                        "query": {"query": "label_values(dspark_num_requests_running, model_name)",
-                                  "refId": "model"},
-                        "definition": "label_values(dspark_num_requests_running, model_name)",
-                        "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
-                        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                        "sort": 1, "hide": 0, "options": []})
-        if "pool" in self.variables:
-            var.append({"name": "pool", "label": "pool", "type": "query", "datasource": DS,
-                        "query": {"query": 'label_values(up{job="dspark-engine"}, pool)',
-                                  "refId": "pool"},
-                        "definition": 'label_values(up{job="dspark-engine"}, pool)',
-                        "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
-                        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                        "sort": 1, "hide": 0, "options": []})
+        # Multi-value label filters, "All" selected.
+        for name, query in (("model", "label_values(dspark_num_requests_running, model_name)"),
+                            ("pool", 'label_values(up{job="dspark-engine"}, pool)')):
+            if name in self.variables:
+                var.append({"name": name, "label": name, "type": "query", "datasource": DS,
+                            "query": {"query": query, "refId": name},
+                            "definition": query,
+                            "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
+                            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                            "sort": 1, "hide": 0, "options": []})
         return {
             "uid": self.uid, "title": self.title, "description": self.description,
             "tags": ["dspark"], "editable": True, "graphTooltip": 1, "timezone": "browser",

@@ -48,6 +48,17 @@ pub enum Error {
 }
 
 impl Error {
+    /// For `map_err` on an apply (or patch) of the `K` named `name`.
+    pub fn applying<K: kube::Resource<DynamicType = ()>>(
+        name: &str,
+    ) -> impl FnOnce(kube::Error) -> Self + '_ {
+        move |source| Self::Apply {
+            kind: K::kind(&()).into(),
+            name: name.to_string(),
+            source,
+        }
+    }
+
     /// A CamelCase reason for conditions and Events.
     pub fn reason(&self) -> &'static str {
         match self {

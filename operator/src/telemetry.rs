@@ -2,6 +2,7 @@
 //! reconcile logic: the reconciler only bumps counters.
 
 use dspark_types::contract::metrics::operator as om;
+use dspark_types::contract::metrics::Family as ContractFamily;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -65,6 +66,122 @@ pub struct PoolGauges {
     pub acceptance_length: Option<f64>,
     pub request_rate: f64,
 }
+
+/// A counter of [`Metrics`]: its Prometheus family and help text, its OTLP instrument, and
+/// the field that counts.
+type CounterDef = (
+    ContractFamily,
+    &'static str,
+    &'static str,
+    fn(&Metrics) -> &AtomicU64,
+);
+
+/// The plain counters of [`Metrics`], in exposition order.
+const COUNTERS: [CounterDef; 9] = [
+    (
+        om::RECONCILES,
+        "Reconciles finished (successfully or not).",
+        "dspark.operator.reconciles",
+        |m| &m.reconciles,
+    ),
+    (
+        om::RECONCILE_ERRORS,
+        "Reconciles that failed.",
+        "dspark.operator.reconcile.errors",
+        |m| &m.reconcile_errors,
+    ),
+    (
+        om::SCALING_DECISIONS,
+        "Replica changes applied.",
+        "dspark.operator.scaling.decisions",
+        |m| &m.scaling_decisions,
+    ),
+    (
+        om::ADVISORY_DECISIONS,
+        "Replica changes recorded but not applied (advisory mode).",
+        "dspark.operator.scaling.advisory_decisions",
+        |m| &m.advisory_decisions,
+    ),
+    (
+        om::PROFILING_JOBS,
+        "Profiling Jobs started.",
+        "dspark.operator.profiling.jobs",
+        |m| &m.profiling_jobs,
+    ),
+    (
+        om::PROFILING_FAILURES,
+        "Profiling attempts that failed.",
+        "dspark.operator.profiling.failures",
+        |m| &m.profiling_failures,
+    ),
+    (
+        om::COST_TABLES_STORED,
+        "Cost tables validated and stored.",
+        "dspark.operator.cost_table.stored",
+        |m| &m.cost_tables_stored,
+    ),
+    (
+        om::COST_TABLE_PUSHES,
+        "Cost tables pushed to engine pods.",
+        "dspark.operator.cost_table.pushes",
+        |m| &m.pushes,
+    ),
+    (
+        om::COST_TABLE_PUSH_FAILURES,
+        "Cost-table pushes that failed.",
+        "dspark.operator.cost_table.push_failures",
+        |m| &m.push_failures,
+    ),
+];
+
+/// A gauge of each pool: its Prometheus family and help text, its OTLP instrument (if it is
+/// exported over OTLP), and its value (`None`: no sample).
+type PoolGaugeDef = (
+    ContractFamily,
+    &'static str,
+    Option<&'static str>,
+    fn(&PoolGauges) -> Option<f64>,
+);
+
+/// The gauges of [`PoolGauges`], in exposition order.
+const POOL_GAUGES: [PoolGaugeDef; 6] = [
+    (
+        om::POOL_DESIRED_REPLICAS,
+        "Replicas the operator wants for the pool.",
+        Some("dspark.operator.pool.desired_replicas"),
+        |g| Some(f64::from(g.desired)),
+    ),
+    (
+        om::POOL_READY_REPLICAS,
+        "Ready engine pods of the pool.",
+        Some("dspark.operator.pool.ready_replicas"),
+        |g| Some(f64::from(g.ready)),
+    ),
+    (
+        om::POOL_TTFT_P95,
+        "Measured p95 time to first token of the pool (fresh data only).",
+        Some("dspark.operator.pool.ttft_p95"),
+        |g| g.ttft_p95,
+    ),
+    (
+        om::POOL_ITL_P95,
+        "Measured p95 inter-token latency of the pool (fresh data only).",
+        Some("dspark.operator.pool.itl_p95"),
+        |g| g.itl_p95,
+    ),
+    (
+        om::POOL_ACCEPTANCE_LENGTH,
+        "Live acceptance length of the pool's engines.",
+        Some("dspark.operator.pool.acceptance_length"),
+        |g| g.acceptance_length,
+    ),
+    (
+        om::POOL_REQUEST_RATE,
+        "Finished requests per second of the pool.",
+        None,
+        |g| Some(g.request_rate),
+    ),
+];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -164,93 +281,17 @@ impl Metrics {
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let mut counter = |name: &str, help: &str, v: u64| {
+        for (family, help, _, field) in COUNTERS {
             let _ = writeln!(
                 out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}",
+                name = family.sample(),
+                v = field(self).load(Ordering::Relaxed)
             );
-        };
-        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        counter(
-            &om::RECONCILES.sample(),
-            "Reconciles finished (successfully or not).",
-            g(&self.reconciles),
-        );
-        counter(
-            &om::RECONCILE_ERRORS.sample(),
-            "Reconciles that failed.",
-            g(&self.reconcile_errors),
-        );
-        counter(
-            &om::SCALING_DECISIONS.sample(),
-            "Replica changes applied.",
-            g(&self.scaling_decisions),
-        );
-        counter(
-            &om::ADVISORY_DECISIONS.sample(),
-            "Replica changes recorded but not applied (advisory mode).",
-            g(&self.advisory_decisions),
-        );
-        counter(
-            &om::PROFILING_JOBS.sample(),
-            "Profiling Jobs started.",
-            g(&self.profiling_jobs),
-        );
-        counter(
-            &om::PROFILING_FAILURES.sample(),
-            "Profiling attempts that failed.",
-            g(&self.profiling_failures),
-        );
-        counter(
-            &om::COST_TABLES_STORED.sample(),
-            "Cost tables validated and stored.",
-            g(&self.cost_tables_stored),
-        );
-        counter(
-            &om::COST_TABLE_PUSHES.sample(),
-            "Cost tables pushed to engine pods.",
-            g(&self.pushes),
-        );
-        counter(
-            &om::COST_TABLE_PUSH_FAILURES.sample(),
-            "Cost-table pushes that failed.",
-            g(&self.push_failures),
-        );
+        }
         let pools = self.pool_snapshot();
-        type Field = fn(&PoolGauges) -> Option<f64>;
-        let gauges: [(&str, &str, Field); 6] = [
-            (
-                om::POOL_DESIRED_REPLICAS.name,
-                "Replicas the operator wants for the pool.",
-                |g| Some(f64::from(g.desired)),
-            ),
-            (
-                om::POOL_READY_REPLICAS.name,
-                "Ready engine pods of the pool.",
-                |g| Some(f64::from(g.ready)),
-            ),
-            (
-                om::POOL_TTFT_P95.name,
-                "Measured p95 time to first token of the pool (fresh data only).",
-                |g| g.ttft_p95,
-            ),
-            (
-                om::POOL_ITL_P95.name,
-                "Measured p95 inter-token latency of the pool (fresh data only).",
-                |g| g.itl_p95,
-            ),
-            (
-                om::POOL_ACCEPTANCE_LENGTH.name,
-                "Live acceptance length of the pool's engines.",
-                |g| g.acceptance_length,
-            ),
-            (
-                om::POOL_REQUEST_RATE.name,
-                "Finished requests per second of the pool.",
-                |g| Some(g.request_rate),
-            ),
-        ];
-        for (name, help, f) in gauges {
+        for (family, help, _, f) in POOL_GAUGES {
+            let name = family.name;
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
             for ((d, p), g) in &pools {
                 if let Some(v) = f(g) {
@@ -287,29 +328,7 @@ impl Metrics {
 pub fn export_otel(m: &Arc<Metrics>) {
     use opentelemetry::KeyValue;
     let meter = dspark_telemetry::meter("dspark-operator");
-    type Counter = fn(&Metrics) -> &AtomicU64;
-    let counters: [(&'static str, Counter); 9] = [
-        ("dspark.operator.reconciles", |m| &m.reconciles),
-        ("dspark.operator.reconcile.errors", |m| &m.reconcile_errors),
-        ("dspark.operator.scaling.decisions", |m| {
-            &m.scaling_decisions
-        }),
-        ("dspark.operator.scaling.advisory_decisions", |m| {
-            &m.advisory_decisions
-        }),
-        ("dspark.operator.profiling.jobs", |m| &m.profiling_jobs),
-        ("dspark.operator.profiling.failures", |m| {
-            &m.profiling_failures
-        }),
-        ("dspark.operator.cost_table.stored", |m| {
-            &m.cost_tables_stored
-        }),
-        ("dspark.operator.cost_table.pushes", |m| &m.pushes),
-        ("dspark.operator.cost_table.push_failures", |m| {
-            &m.push_failures
-        }),
-    ];
-    for (name, field) in counters {
+    for (_, _, name, field) in COUNTERS {
         let m = m.clone();
         let _ = meter
             .u64_observable_counter(name)
@@ -328,21 +347,10 @@ pub fn export_otel(m: &Arc<Metrics>) {
             )
         })
         .build();
-    type Field = fn(&PoolGauges) -> Option<f64>;
-    let pool_gauges: [(&'static str, Field); 5] = [
-        ("dspark.operator.pool.desired_replicas", |g| {
-            Some(f64::from(g.desired))
-        }),
-        ("dspark.operator.pool.ready_replicas", |g| {
-            Some(f64::from(g.ready))
-        }),
-        ("dspark.operator.pool.ttft_p95", |g| g.ttft_p95),
-        ("dspark.operator.pool.itl_p95", |g| g.itl_p95),
-        ("dspark.operator.pool.acceptance_length", |g| {
-            g.acceptance_length
-        }),
-    ];
-    for (name, f) in pool_gauges {
+    for (_, _, name, f) in POOL_GAUGES {
+        let Some(name) = name else {
+            continue;
+        };
         let m = m.clone();
         let _ = meter
             .f64_observable_gauge(name)

@@ -102,6 +102,8 @@ port_busy() { ss -Htln "sport = :$1" | grep -q .; }
 
 listening() { ss -Htln "src 127.0.0.1 and sport = :$1" | grep -q .; }
 
+ready() { listening "$GRPC_PORT" && listening "$HTTP_PORT" && grep -q "Everything is ready" "$LOG_FILE"; }
+
 cmd_up() {
   local test_mode=0
   [ "${1:-}" = "--test" ] && test_mode=1
@@ -131,23 +133,9 @@ cmd_up() {
   OTELCOL_METRICS_PORT="$METRICS_PORT" \
   OTELCOL_DEBUG_LOG="$DEBUG_LOG" \
     setsid "$bin" --config "file:$config" >>"$LOG_FILE" 2>&1 </dev/null &
-  local pid=$! i
-  echo "$pid" >"$PID_FILE"
-  for i in $(seq 1 300); do
-    if ! running "$pid"; then
-      tail -n 30 "$LOG_FILE" >&2 || true
-      rm -f "$PID_FILE"
-      die "otelcol exited during startup (log: $LOG_FILE)"
-    fi
-    if listening "$GRPC_PORT" && listening "$HTTP_PORT" && grep -q "Everything is ready" "$LOG_FILE"; then
-      log "ready after $(elapsed "$t0")s (pid $pid, log $LOG_FILE)"
-      [ "$test_mode" = 1 ] && log "debug exporter output: $DEBUG_LOG"
-      return 0
-    fi
-    sleep 0.1
-  done
-  tail -n 30 "$LOG_FILE" >&2 || true
-  die "otelcol not ready after 30s (log: $LOG_FILE)"
+  started "$!" "$t0" ready
+  [ "$test_mode" = 1 ] && log "debug exporter output: $DEBUG_LOG"
+  return 0
 }
 
 

@@ -111,22 +111,7 @@ cmd_up() {
     --web.enable-lifecycle \
     --log.level=info \
     >>"$LOG_FILE" 2>&1 </dev/null &
-  local pid=$! i
-  echo "$pid" >"$PID_FILE"
-  for i in $(seq 1 300); do
-    if ! running "$pid"; then
-      tail -n 30 "$LOG_FILE" >&2 || true
-      rm -f "$PID_FILE"
-      die "prometheus exited during startup (log: $LOG_FILE)"
-    fi
-    if ready; then
-      log "ready after $(elapsed "$t0")s (pid $pid, http://127.0.0.1:$PORT, log $LOG_FILE)"
-      return 0
-    fi
-    sleep 0.1
-  done
-  tail -n 30 "$LOG_FILE" >&2 || true
-  die "prometheus not ready after 30s (log: $LOG_FILE)"
+  started "$!" "$t0" ready "http://127.0.0.1:$PORT"
 }
 
 

@@ -268,6 +268,26 @@ fn quiet(_: f64) -> f64 {
     0.0
 }
 
+/// One pool of `min..=max` replicas (reference cost and speed) under `load` and `noise` for
+/// `duration`, the default input, no faults: the trace and the pool's replicas.
+fn one_pool(
+    min: i32,
+    max: i32,
+    duration: f64,
+    load: impl Fn(f64) -> f64,
+    noise: impl Fn(f64) -> f64,
+) -> (Trace, Vec<i32>) {
+    let mut pools = [SimPool::new("a", min, max, 1.0, 1.0)];
+    let trace = simulate(&mut pools, &input(), duration, load, noise, no_fault);
+    let r = trace.replicas(0);
+    (trace, r)
+}
+
+/// A load of `base`, `high` during `during`.
+fn step(base: f64, during: std::ops::Range<f64>, high: f64) -> impl Fn(f64) -> f64 {
+    move |t: f64| if during.contains(&t) { high } else { base }
+}
+
 #[test]
 fn capacity_follows_the_table_and_the_itl_target() {
     let t = table(1.0);
@@ -288,16 +308,8 @@ fn capacity_follows_the_table_and_the_itl_target() {
 
 #[test]
 fn step_load_scales_up_fast_and_down_after_the_window() {
-    let mut pools = [SimPool::new("a", 1, 20, 1.0, 1.0)];
-    let load = |t: f64| {
-        if (300.0..1500.0).contains(&t) {
-            20.0
-        } else {
-            2.0
-        }
-    };
-    let trace = simulate(&mut pools, &input(), 3000.0, load, quiet, no_fault);
-    let r = trace.replicas(0);
+    let load = step(2.0, 300.0..1500.0, 20.0);
+    let (trace, r) = one_pool(1, 20, 3000.0, load, quiet);
     let at = |t: f64| r[(t / PERIOD) as usize];
     assert_eq!(at(0.0), 1);
     // Predictive: the step is sized in one decision.
@@ -314,10 +326,7 @@ fn step_load_scales_up_fast_and_down_after_the_window() {
 
 #[test]
 fn ramp_never_scales_down_while_rising() {
-    let mut pools = [SimPool::new("a", 1, 40, 1.0, 1.0)];
-    let load = |t: f64| 1.0 + t / 30.0;
-    let trace = simulate(&mut pools, &input(), 1800.0, load, quiet, no_fault);
-    let r = trace.replicas(0);
+    let (trace, r) = one_pool(1, 40, 1800.0, |t: f64| 1.0 + t / 30.0, quiet);
     assert!(r.windows(2).all(|w| w[1] >= w[0]), "{r:?}");
     assert!(*r.last().unwrap() >= 10);
     // Only the startup lag of each step can breach.
@@ -330,16 +339,8 @@ fn ramp_never_scales_down_while_rising() {
 
 #[test]
 fn spike_scales_up_then_waits_the_window_before_coming_down() {
-    let mut pools = [SimPool::new("a", 2, 20, 1.0, 1.0)];
-    let load = |t: f64| {
-        if (600.0..630.0).contains(&t) {
-            40.0
-        } else {
-            3.0
-        }
-    };
-    let trace = simulate(&mut pools, &input(), 2400.0, load, quiet, no_fault);
-    let r = trace.replicas(0);
+    let load = step(3.0, 600.0..630.0, 40.0);
+    let (trace, r) = one_pool(2, 20, 2400.0, load, quiet);
     let peak_at = r
         .iter()
         .position(|&x| x == *r.iter().max().unwrap())
@@ -364,9 +365,7 @@ fn lcg(seed: u64) -> impl Fn(f64) -> f64 {
 #[test]
 fn noise_does_not_flap() {
     for seed in 0..20 {
-        let mut pools = [SimPool::new("a", 1, 20, 1.0, 1.0)];
-        let trace = simulate(&mut pools, &input(), 3600.0, |_| 15.0, lcg(seed), no_fault);
-        let r = trace.replicas(0);
+        let (trace, r) = one_pool(1, 20, 3600.0, |_| 15.0, lcg(seed));
         let settled = &r[(600.0 / PERIOD) as usize..];
         assert!(
             settled.windows(2).all(|w| w[0] == w[1]),

@@ -116,11 +116,7 @@ pub async fn ensure(client: &Client, timeout: Duration) -> Result<Vec<Outcome>> 
             &Patch::Apply(&crd),
         )
         .await
-        .map_err(|source| Error::Apply {
-            kind: "CustomResourceDefinition".into(),
-            name: name.clone(),
-            source,
-        })?;
+        .map_err(Error::applying::<CustomResourceDefinition>(&name))?;
         let from = stored.as_ref().and_then(stored_revision);
         info!(crd = %name, ?from, to = SCHEMA_REVISION, "applied the CRD");
         out.push(Outcome::Applied { name, from });

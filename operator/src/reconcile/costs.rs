@@ -344,6 +344,23 @@ mod tests {
         (format!("127.0.0.1:{port}"), handle)
     }
 
+    /// Pushes `t` (3 attempts) to a fake engine answering `responses`: the outcome, and the
+    /// request lines the engine saw once it has answered them all.
+    async fn push_to_fake(
+        http: &HttpClient,
+        t: &CostTable,
+        responses: Vec<(u16, String)>,
+    ) -> (Result<PushOutcome>, Vec<String>) {
+        let (addr, h) = fake_engine(responses).await;
+        let (ip, port) = addr.split_once(':').unwrap();
+        let target = PodTarget {
+            name: "p".into(),
+            ip: ip.into(),
+        };
+        let out = push_to_pod(http, &target, port.parse().unwrap(), "tok", t, 3).await;
+        (out, h.await.unwrap())
+    }
+
     fn table() -> CostTable {
         CostTable::from_json(r#"{"schema":1,"model_id":"m","engine_version":"0.1.0","device":"cpu","dtype":"q4","measured_at":"2026-11-29T09:00:00Z","points":[[1,100.0],[8,50.0]]}"#).unwrap()
     }
@@ -368,40 +385,19 @@ mod tests {
     async fn push_skips_current_pods_pushes_others_and_reports_refusals() {
         let http = HttpClient::new(Duration::from_secs(2));
         let t = table();
-        let (addr, h) = fake_engine(vec![(200, state(&t.digest()))]).await;
-        let (ip, port) = addr.split_once(':').unwrap();
-        let target = PodTarget {
-            name: "p".into(),
-            ip: ip.into(),
-        };
-        let port: i32 = port.parse().unwrap();
-        assert_eq!(
-            push_to_pod(&http, &target, port, "tok", &t, 3)
-                .await
-                .unwrap(),
-            PushOutcome::Current
-        );
-        h.await.unwrap();
+        let (out, _) = push_to_fake(&http, &t, vec![(200, state(&t.digest()))]).await;
+        assert_eq!(out.unwrap(), PushOutcome::Current);
 
         let ok = serde_json::to_string(&PushResponse {
             revision: 2,
             digest: t.digest(),
         })
         .unwrap();
-        let (addr, h) = fake_engine(vec![(200, state("old")), (200, ok)]).await;
-        let (ip, port) = addr.split_once(':').unwrap();
-        let target = PodTarget {
-            name: "p".into(),
-            ip: ip.into(),
-        };
-        let out = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
-            .await
-            .unwrap();
+        let (out, seen) = push_to_fake(&http, &t, vec![(200, state("old")), (200, ok)]).await;
         assert!(matches!(
-            out,
+            out.unwrap(),
             PushOutcome::Pushed(PushResponse { revision: 2, .. })
         ));
-        let seen = h.await.unwrap();
         assert_eq!(
             seen,
             vec![
@@ -415,17 +411,9 @@ mod tests {
             "cost table for device 'cpu' does not match",
         ))
         .unwrap();
-        let (addr, h) = fake_engine(vec![(200, state("old")), (400, refusal)]).await;
-        let (ip, port) = addr.split_once(':').unwrap();
-        let target = PodTarget {
-            name: "p".into(),
-            ip: ip.into(),
-        };
-        let e = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
-            .await
-            .unwrap_err();
+        let (out, _) = push_to_fake(&http, &t, vec![(200, state("old")), (400, refusal)]).await;
+        let e = out.unwrap_err();
         assert!(e.to_string().contains("does not match"), "{e}");
-        h.await.unwrap();
 
         // 5xx twice, then success: retried.
         let ok = serde_json::to_string(&PushResponse {
@@ -433,27 +421,18 @@ mod tests {
             digest: t.digest(),
         })
         .unwrap();
-        let (addr, h) = fake_engine(vec![
+        let responses = vec![
             (200, state("old")),
             (503, "busy".into()),
             (200, state("old")),
             (503, "busy".into()),
             (200, state("old")),
             (200, ok),
-        ])
-        .await;
-        let (ip, port) = addr.split_once(':').unwrap();
-        let target = PodTarget {
-            name: "p".into(),
-            ip: ip.into(),
-        };
-        let out = push_to_pod(&http, &target, port.parse().unwrap(), "tok", &t, 3)
-            .await
-            .unwrap();
+        ];
+        let (out, _) = push_to_fake(&http, &t, responses).await;
         assert!(matches!(
-            out,
+            out.unwrap(),
             PushOutcome::Pushed(PushResponse { revision: 3, .. })
         ));
-        h.await.unwrap();
     }
 }

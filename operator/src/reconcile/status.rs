@@ -362,37 +362,31 @@ fn profiled_condition(i: &StatusInput<'_>) -> Condition {
                 )
             })
             .collect();
-        condition(
+        return condition(
             "Profiled",
             Some(true),
             "CostTablesStored",
             tables.join("; "),
-        )
-    } else if !failed.is_empty() {
-        condition(
-            "Profiled",
-            Some(false),
+        );
+    }
+    // Some pool has no table yet: why.
+    let (reason, message) = if !failed.is_empty() {
+        (
             "ProfilingFailed",
             format!("{}; engines keep their default table", failed.join("; ")),
         )
     } else if !profiling.is_empty() {
-        condition(
-            "Profiled",
-            Some(false),
+        (
             "Profiling",
             format!("profiling Jobs running for pools {}", profiling.join(", ")),
         )
     } else if !i.dsd.spec.profiling.enabled {
-        condition(
-            "Profiled",
-            Some(false),
+        (
             "ProfilingDisabled",
             "profiling is disabled; engines use their default table".into(),
         )
     } else if !i.dsd.unresolved_sources().is_empty() {
-        condition(
-            "Profiled",
-            Some(false),
+        (
             "WaitingForRevision",
             format!(
                 "waiting for the first fetch of {} to resolve its revision (cost tables are keyed by it); engines use their default table",
@@ -400,13 +394,9 @@ fn profiled_condition(i: &StatusInput<'_>) -> Condition {
             ),
         )
     } else {
-        condition(
-            "Profiled",
-            Some(false),
-            "Pending",
-            "waiting to profile".into(),
-        )
-    }
+        ("Pending", "waiting to profile".into())
+    };
+    condition("Profiled", Some(false), reason, message)
 }
 
 fn scaling_condition(i: &StatusInput<'_>) -> Condition {

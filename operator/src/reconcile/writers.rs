@@ -106,11 +106,7 @@ pub(super) async fn apply_body<K: Cached>(
             &Patch::Apply(body),
         )
         .await
-        .map_err(|source| Error::Apply {
-            kind: K::kind(&()).into(),
-            name: name.to_string(),
-            source,
-        })?;
+        .map_err(Error::applying::<K>(name))?;
     ctx.caches.remember(ns, name, body, &stored);
     Ok(Arc::new(stored))
 }
@@ -205,11 +201,7 @@ pub(super) async fn write_replicas(
         &Patch::Merge(&patch),
     )
     .await
-    .map_err(|source| Error::Apply {
-        kind: DSparkDeployment::kind(&()).into(),
-        name: dsd.name_any(),
-        source,
-    })?;
+    .map_err(Error::applying::<DSparkDeployment>(&dsd.name_any()))?;
     Ok(())
 }
 

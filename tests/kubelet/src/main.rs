@@ -70,6 +70,40 @@ struct Running {
 }
 
 /// The pod-IP range of a node: its loopback `spec.podCIDR`, else 127.5.<index>.0/24.
+/// A store of the objects `cfg` selects, kept by a watch (retried with back-off) that wakes
+/// the main loop on every change; `what` names the watch in warnings.
+fn watched<K>(
+    client: &Client,
+    cfg: watcher::Config,
+    wake: &Arc<Notify>,
+    what: &'static str,
+) -> reflector::Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, writer) = reflector::store::<K>();
+    let wake = wake.clone();
+    let stream = reflector(writer, watcher(Api::<K>::all(client.clone()), cfg))
+        .default_backoff()
+        .touched_objects();
+    tokio::spawn(async move {
+        futures::pin_mut!(stream);
+        while let Some(r) = stream.next().await {
+            if let Err(e) = r {
+                warn!("{what}: {e}");
+            }
+            wake.notify_one();
+        }
+    });
+    store
+}
+
 fn node_range(node: &Node, index: usize) -> (Ipv4Addr, u8) {
     node.spec
         .as_ref()
@@ -132,40 +166,10 @@ async fn main() -> anyhow::Result<()> {
     });
 
     let wake = Arc::new(Notify::new());
-    let (nodes, nodes_w) = reflector::store::<Node>();
-    let (pods, pods_w) = reflector::store::<Pod>();
-    {
-        let wake = wake.clone();
-        let cfg = watcher::Config::default().labels(&args.node_selector);
-        let stream = reflector(nodes_w, watcher(Api::<Node>::all(client.clone()), cfg))
-            .default_backoff()
-            .touched_objects();
-        tokio::spawn(async move {
-            futures::pin_mut!(stream);
-            while let Some(r) = stream.next().await {
-                if let Err(e) = r {
-                    warn!("node watch: {e}");
-                }
-                wake.notify_one();
-            }
-        });
-    }
-    {
-        let wake = wake.clone();
-        let cfg = watcher::Config::default().fields("spec.nodeName!=");
-        let stream = reflector(pods_w, watcher(Api::<Pod>::all(client.clone()), cfg))
-            .default_backoff()
-            .touched_objects();
-        tokio::spawn(async move {
-            futures::pin_mut!(stream);
-            while let Some(r) = stream.next().await {
-                if let Err(e) = r {
-                    warn!("pod watch: {e}");
-                }
-                wake.notify_one();
-            }
-        });
-    }
+    let node_cfg = watcher::Config::default().labels(&args.node_selector);
+    let nodes = watched::<Node>(&client, node_cfg, &wake, "node watch");
+    let pod_cfg = watcher::Config::default().fields("spec.nodeName!=");
+    let pods = watched::<Pod>(&client, pod_cfg, &wake, "pod watch");
 
     let mut running: HashMap<String, Running> = HashMap::new();
     let mut finalizing: BTreeSet<String> = BTreeSet::new();

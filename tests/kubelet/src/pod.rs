@@ -61,6 +61,31 @@ fn now() -> Time {
     Time(Timestamp::now())
 }
 
+/// A container state: waiting for `reason`.
+fn waiting(reason: &str, message: Option<String>) -> Option<ContainerState> {
+    Some(ContainerState {
+        waiting: Some(ContainerStateWaiting {
+            reason: Some(reason.into()),
+            message,
+        }),
+        ..Default::default()
+    })
+}
+
+/// The status of container `c` before it runs: not ready, never restarted, waiting for
+/// `reason`.
+fn not_started(c: &Container, reason: &str) -> ContainerStatus {
+    ContainerStatus {
+        name: c.name.clone(),
+        image: c.image.clone().unwrap_or_default(),
+        image_id: String::new(),
+        ready: false,
+        restart_count: 0,
+        state: waiting(reason, None),
+        ..Default::default()
+    }
+}
+
 /// Runs `pod` until it is deleted (or the kubelet stops).
 pub async fn run_pod(
     shared: Arc<Shared>,
@@ -90,41 +115,15 @@ pub async fn run_pod(
             .containers
             .iter()
             .map(|c| ContainerStatus {
-                name: c.name.clone(),
-                image: c.image.clone().unwrap_or_default(),
-                image_id: String::new(),
-                ready: false,
-                restart_count: 0,
                 started: Some(false),
-                state: Some(ContainerState {
-                    waiting: Some(ContainerStateWaiting {
-                        reason: Some("ContainerCreating".into()),
-                        message: None,
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
+                ..not_started(c, "ContainerCreating")
             })
             .collect(),
         init: spec
             .init_containers
             .iter()
             .flatten()
-            .map(|c| ContainerStatus {
-                name: c.name.clone(),
-                image: c.image.clone().unwrap_or_default(),
-                image_id: String::new(),
-                ready: false,
-                restart_count: 0,
-                state: Some(ContainerState {
-                    waiting: Some(ContainerStateWaiting {
-                        reason: Some("PodInitializing".into()),
-                        message: None,
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
+            .map(|c| not_started(c, "PodInitializing"))
             .collect(),
         done: vec![false; spec.containers.len()],
         phase: "Pending".into(),
@@ -146,15 +145,6 @@ pub async fn run_pod(
                 // An image that cannot be pulled marks its containers (ErrImagePull, then
                 // ImagePullBackOff while waiting for the next try); anything else marks all.
                 let pull = e.chain().find_map(|x| x.downcast_ref::<PullError>());
-                let waiting = |reason: &str, message: String| {
-                    Some(ContainerState {
-                        waiting: Some(ContainerStateWaiting {
-                            reason: Some(reason.into()),
-                            message: Some(message),
-                        }),
-                        ..Default::default()
-                    })
-                };
                 let reason = if pull.is_some() {
                     "ErrImagePull"
                 } else {
@@ -162,7 +152,7 @@ pub async fn run_pod(
                 };
                 for c in status.containers.iter_mut().chain(status.init.iter_mut()) {
                     if pull.is_none_or(|p| p.image == c.image) {
-                        c.state = waiting(reason, msg.clone());
+                        c.state = waiting(reason, Some(msg.clone()));
                     }
                 }
                 if restart == "Never" && first.elapsed() > Duration::from_secs(60) {
@@ -182,7 +172,10 @@ pub async fn run_pod(
                             if c.image == p.image {
                                 c.state = waiting(
                                     "ImagePullBackOff",
-                                    format!("Back-off pulling image {:?}: {}", p.image, p.message),
+                                    Some(format!(
+                                        "Back-off pulling image {:?}: {}",
+                                        p.image, p.message
+                                    )),
                                 );
                             }
                         }
@@ -483,11 +476,11 @@ async fn refresh_volumes(client: &Client, pod: &Pod, dir: &Path) -> anyhow::Resu
     for v in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
         let vdir = dir.join("volumes").join(&v.name);
         if let Some(cm) = &v.config_map {
-            let data = config_map_data(client, &ns, &cm.name, true).await?;
+            let data = key_data::<ConfigMap>(client, &ns, &cm.name, true).await?;
             write_items(&vdir, &data, cm.items.as_ref())?;
         } else if let Some(sec) = &v.secret {
             let name = sec.secret_name.clone().unwrap_or_default();
-            let data = secret_data(client, &ns, &name, true).await?;
+            let data = key_data::<Secret>(client, &ns, &name, true).await?;
             write_items(&vdir, &data, sec.items.as_ref())?;
         }
     }
@@ -519,47 +512,58 @@ fn write_items(
     Ok(())
 }
 
-async fn config_map_data(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    optional: bool,
-) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
-    let api: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
-    match api.get_opt(name).await? {
-        Some(cm) => {
-            let mut out: BTreeMap<String, Vec<u8>> = cm
-                .data
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.into_bytes()))
-                .collect();
-            for (k, v) in cm.binary_data.unwrap_or_default() {
-                out.insert(k, v.0);
-            }
-            Ok(out)
-        }
-        None if optional => Ok(BTreeMap::new()),
-        None => bail!("ConfigMap {ns}/{name} not found"),
-    }
+/// The keys of a ConfigMap or Secret with their bytes.
+trait KeyData:
+    kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + k8s_openapi::Resource
+    + Clone
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+{
+    fn key_data(self) -> BTreeMap<String, Vec<u8>>;
 }
 
-async fn secret_data(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    optional: bool,
-) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
-    let api: Api<Secret> = Api::namespaced(client.clone(), ns);
-    match api.get_opt(name).await? {
-        Some(s) => Ok(s
+impl KeyData for ConfigMap {
+    fn key_data(self) -> BTreeMap<String, Vec<u8>> {
+        let mut out: BTreeMap<String, Vec<u8>> = self
             .data
             .unwrap_or_default()
             .into_iter()
+            .map(|(k, v)| (k, v.into_bytes()))
+            .collect();
+        for (k, v) in self.binary_data.unwrap_or_default() {
+            out.insert(k, v.0);
+        }
+        out
+    }
+}
+
+impl KeyData for Secret {
+    fn key_data(self) -> BTreeMap<String, Vec<u8>> {
+        self.data
+            .unwrap_or_default()
+            .into_iter()
             .map(|(k, v)| (k, v.0))
-            .collect()),
+            .collect()
+    }
+}
+
+/// The data of the `K` (ConfigMap or Secret) `ns/name`; empty when there is none and it is
+/// `optional`.
+async fn key_data<K: KeyData>(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    optional: bool,
+) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let api: Api<K> = Api::namespaced(client.clone(), ns);
+    match api.get_opt(name).await? {
+        Some(o) => Ok(o.key_data()),
         None if optional => Ok(BTreeMap::new()),
-        None => bail!("Secret {ns}/{name} not found"),
+        None => bail!(
+            "{} {ns}/{name} not found",
+            <K as k8s_openapi::Resource>::KIND
+        ),
     }
 }
 
@@ -622,12 +626,13 @@ async fn volumes(
             std::fs::create_dir_all(&vdir)?;
             vdir
         } else if let Some(cm) = &v.config_map {
-            let data = config_map_data(client, &ns, &cm.name, cm.optional == Some(true)).await?;
+            let data =
+                key_data::<ConfigMap>(client, &ns, &cm.name, cm.optional == Some(true)).await?;
             write_items(&vdir, &data, cm.items.as_ref())?;
             vdir
         } else if let Some(s) = &v.secret {
             let name = s.secret_name.clone().unwrap_or_default();
-            let data = secret_data(client, &ns, &name, s.optional == Some(true)).await?;
+            let data = key_data::<Secret>(client, &ns, &name, s.optional == Some(true)).await?;
             write_items(&vdir, &data, s.items.as_ref())?;
             vdir
         } else if let Some(d) = &v.downward_api {
@@ -650,11 +655,13 @@ async fn volumes(
                 }
                 if let Some(cm) = &src.config_map {
                     let data =
-                        config_map_data(client, &ns, &cm.name, cm.optional == Some(true)).await?;
+                        key_data::<ConfigMap>(client, &ns, &cm.name, cm.optional == Some(true))
+                            .await?;
                     write_items(&vdir, &data, cm.items.as_ref())?;
                 }
                 if let Some(s) = &src.secret {
-                    let data = secret_data(client, &ns, &s.name, s.optional == Some(true)).await?;
+                    let data =
+                        key_data::<Secret>(client, &ns, &s.name, s.optional == Some(true)).await?;
                     write_items(&vdir, &data, s.items.as_ref())?;
                 }
                 if let Some(d) = &src.downward_api {
@@ -1009,9 +1016,9 @@ async fn prepare_container(
     // wins on a clash: the kubelet's order.
     for from in c.env_from.iter().flatten() {
         let data = if let Some(r) = &from.secret_ref {
-            secret_data(client, ns, &r.name, r.optional == Some(true)).await?
+            key_data::<Secret>(client, ns, &r.name, r.optional == Some(true)).await?
         } else if let Some(r) = &from.config_map_ref {
-            config_map_data(client, ns, &r.name, r.optional == Some(true)).await?
+            key_data::<ConfigMap>(client, ns, &r.name, r.optional == Some(true)).await?
         } else {
             continue;
         };
@@ -1033,12 +1040,13 @@ async fn prepare_container(
                     .await
                     .unwrap_or_default()
             } else if let Some(r) = &from.config_map_key_ref {
-                let d = config_map_data(client, ns, &r.name, r.optional == Some(true)).await?;
+                let d =
+                    key_data::<ConfigMap>(client, ns, &r.name, r.optional == Some(true)).await?;
                 d.get(&r.key)
                     .map(|b| String::from_utf8_lossy(b).into_owned())
                     .unwrap_or_default()
             } else if let Some(r) = &from.secret_key_ref {
-                let d = secret_data(client, ns, &r.name, r.optional == Some(true)).await?;
+                let d = key_data::<Secret>(client, ns, &r.name, r.optional == Some(true)).await?;
                 d.get(&r.key)
                     .map(|b| String::from_utf8_lossy(b).into_owned())
                     .unwrap_or_default()

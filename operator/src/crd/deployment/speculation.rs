@@ -9,13 +9,29 @@ use dspark_types::{PolicyKind, Speculation as EngineSpeculation};
 use schemars::{json_schema, JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// A string schema whose values are `values`.
-fn string_enum(description: &str, values: Vec<&'static str>) -> Schema {
-    json_schema!({
-        "description": description,
-        "type": "string",
-        "enum": values,
-    })
+/// `impl JsonSchema for $t`: an inline string schema, described by `$description`, whose
+/// values are `$values` (a `Vec<&'static str>`).
+macro_rules! string_enum_schema {
+    ($t:ident, $description:literal, $values:expr) => {
+        impl JsonSchema for $t {
+            fn inline_schema() -> bool {
+                true
+            }
+
+            fn schema_name() -> Cow<'static, str> {
+                stringify!($t).into()
+            }
+
+            fn json_schema(_: &mut SchemaGenerator) -> Schema {
+                let values: Vec<&'static str> = $values;
+                json_schema!({
+                    "description": $description,
+                    "type": "string",
+                    "enum": values,
+                })
+            }
+        }
+    };
 }
 
 /// Speculative decoding mode (`--speculation`): one of the contract's
@@ -56,22 +72,11 @@ impl<'de> Deserialize<'de> for Speculation {
     }
 }
 
-impl JsonSchema for Speculation {
-    fn inline_schema() -> bool {
-        true
-    }
-
-    fn schema_name() -> Cow<'static, str> {
-        "Speculation".into()
-    }
-
-    fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        string_enum(
-            "Speculative decoding mode (`--speculation`).",
-            EngineSpeculation::ALL.iter().map(|k| k.flag()).collect(),
-        )
-    }
-}
+string_enum_schema!(
+    Speculation,
+    "Speculative decoding mode (`--speculation`).",
+    EngineSpeculation::ALL.iter().map(|k| k.flag()).collect()
+);
 
 /// Verify-length scheduling policy of the engine: `none` (no verify-length scheduling, the
 /// engine's plain block verification) or one of the contract's [`PolicyKind::ALL`]; default
@@ -133,22 +138,11 @@ impl<'de> Deserialize<'de> for SchedulerPolicy {
     }
 }
 
-impl JsonSchema for SchedulerPolicy {
-    fn inline_schema() -> bool {
-        true
-    }
-
-    fn schema_name() -> Cow<'static, str> {
-        "SchedulerPolicy".into()
-    }
-
-    fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        string_enum(
-            "Verify-length scheduling policy of the engine.",
-            Self::spellings(),
-        )
-    }
-}
+string_enum_schema!(
+    SchedulerPolicy,
+    "Verify-length scheduling policy of the engine.",
+    SchedulerPolicy::spellings()
+);
 
 #[cfg(test)]
 mod tests {

@@ -88,21 +88,11 @@ pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
             }),
             ..Default::default()
         };
-        let mount = VolumeMount {
-            name: name.into(),
-            mount_path: dir.clone(),
-            read_only: Some(true),
-            ..Default::default()
-        };
         let path = match img.path.as_deref().map(|p| p.trim_matches('/')) {
             Some(p) if !p.is_empty() => format!("{dir}/{p}"),
             _ => dir.clone(),
         };
-        return Mounted {
-            path,
-            volume: Some((volume, mount)),
-            remote: None,
-        };
+        return read_only(volume, dir, path);
     }
     if let Some(pvc) = &src.pvc {
         let volume = Volume {
@@ -113,17 +103,8 @@ pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
             }),
             ..Default::default()
         };
-        let mount = VolumeMount {
-            name: name.into(),
-            mount_path: dir.clone(),
-            read_only: Some(true),
-            ..Default::default()
-        };
-        return Mounted {
-            path: format!("{dir}/{}", pvc.path.trim_start_matches('/')),
-            volume: Some((volume, mount)),
-            remote: None,
-        };
+        let path = format!("{dir}/{}", pvc.path.trim_start_matches('/'));
+        return read_only(volume, dir, path);
     }
     let hp = src.host_path.clone().unwrap_or(crate::crd::HostPathSource {
         path: String::new(),
@@ -144,9 +125,14 @@ pub fn mount_model(src: &ModelSource, name: &str) -> Mounted {
         }),
         ..Default::default()
     };
+    read_only(volume, path.clone(), path)
+}
+
+/// `volume` mounted read-only at `mount_path`; the engine reads `path`.
+fn read_only(volume: Volume, mount_path: String, path: String) -> Mounted {
     let mount = VolumeMount {
-        name: name.into(),
-        mount_path: path.clone(),
+        name: volume.name.clone(),
+        mount_path,
         read_only: Some(true),
         ..Default::default()
     };

@@ -13,9 +13,21 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::ENGINE_UID;
-use crate::crd::{DSparkDeployment, NodePool, GRACE_MARGIN_SECONDS};
+use crate::crd::{DSparkDeployment, NodePool, PodTemplateOverrides, GRACE_MARGIN_SECONDS};
 use crate::reconcile::names::{NODE_TYPE_LABEL, RESERVED_LABEL_PREFIX};
 use dspark_types::contract::flags::{self, arg};
+
+/// A part of `spec.podTemplate` (its default when the template or the part is unset).
+fn template_part<T: Default>(
+    dsd: &DSparkDeployment,
+    part: impl FnOnce(&PodTemplateOverrides) -> Option<T>,
+) -> T {
+    dsd.spec
+        .pod_template
+        .as_ref()
+        .and_then(part)
+        .unwrap_or_default()
+}
 
 /// Pod-level placement and security shared by engine and profiling pods, with
 /// `spec.podTemplate` merged in: its node selector and tolerations are added to the pool's
@@ -27,12 +39,7 @@ pub fn pod_spec_base(
     containers: Vec<Container>,
     volumes: Vec<Volume>,
 ) -> PodSpec {
-    let t = dsd
-        .spec
-        .pod_template
-        .as_ref()
-        .and_then(|t| t.spec.clone())
-        .unwrap_or_default();
+    let t = template_part(dsd, |t| t.spec.clone());
     let mut node_selector = t.node_selector.clone();
     node_selector.extend(pool.node_selector.clone());
     node_selector.insert(NODE_TYPE_LABEL.into(), pool.node_type.clone());
@@ -74,12 +81,7 @@ pub fn pod_spec_base(
 /// operator's labels win and the template's `serving.dspark.dev/*` labels are dropped, so
 /// selectors keep working), and its annotations.
 pub fn pod_template_meta(dsd: &DSparkDeployment, labels: BTreeMap<String, String>) -> ObjectMeta {
-    let t = dsd
-        .spec
-        .pod_template
-        .as_ref()
-        .and_then(|t| t.metadata.clone())
-        .unwrap_or_default();
+    let t = template_part(dsd, |t| t.metadata.clone());
     // Labels under the operator's prefix select pods into pools and Services: never taken
     // from the template.
     let mut all: BTreeMap<String, String> = t

@@ -130,12 +130,7 @@ fn engine_deployment_matches_the_pool() {
     assert_eq!(mounts["admin-token"], "/etc/dspark/admin");
     assert_eq!(mounts["model"], "/models/model");
     assert_eq!(mounts["tmp"], "/tmp");
-    let vols: BTreeMap<String, Volume> = pod
-        .volumes
-        .unwrap()
-        .into_iter()
-        .map(|v| (v.name.clone(), v))
-        .collect();
+    let vols = by_name(pod.volumes);
     assert_eq!(
         vols["cost-table"].config_map.as_ref().unwrap().name,
         "qwen3-8b-a100-cost-table"
@@ -182,6 +177,15 @@ fn env_of(c: &Container) -> BTreeMap<String, String> {
         .unwrap()
         .iter()
         .map(|e| (e.name.clone(), e.value.clone().unwrap_or_default()))
+        .collect()
+}
+
+/// A pod's volumes (`spec.volumes`, which must be set) by name.
+fn by_name(volumes: Option<Vec<Volume>>) -> BTreeMap<String, Volume> {
+    volumes
+        .unwrap()
+        .into_iter()
+        .map(|v| (v.name.clone(), v))
         .collect()
 }
 
@@ -296,12 +300,7 @@ fn remote_sources_are_fetched_by_an_init_container() {
         c.startup_probe.as_ref().unwrap().failure_threshold,
         Some(120)
     );
-    let vols: BTreeMap<String, Volume> = pod
-        .volumes
-        .unwrap()
-        .into_iter()
-        .map(|v| (v.name.clone(), v))
-        .collect();
+    let vols = by_name(pod.volumes);
     assert_eq!(
         vols[MODEL_CACHE_VOLUME]
             .persistent_volume_claim
