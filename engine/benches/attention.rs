@@ -5,21 +5,8 @@
 //! `cargo bench -p dspark-engine --bench attention`.
 
 use candle_core::{Device, Tensor};
-use dspark_engine::model::attention::{AttnBatch, AttnSeq, PagedAttention};
-
-/// A causal op over `seqs` (scale 0.125, no window).
-fn causal(seqs: Vec<AttnSeq>, nh: usize, nkv: usize, hd: usize, bs: usize) -> PagedAttention {
-    PagedAttention {
-        seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size: bs,
-        scale: 0.125,
-        window: None,
-        causal: true,
-    }
-}
+use dspark_engine::model::attention::{AttnSeq, PagedAttention};
+use dspark_engine::testutil::causal_attention;
 
 /// Median seconds per layer of `op` over `reps` passes through all `caches`.
 fn per_layer(op: &PagedAttention, q: &Tensor, caches: &[(Tensor, Tensor)], reps: usize) -> f64 {
@@ -61,7 +48,7 @@ fn main() {
                 block_table: (0..64u32).rev().collect(),
             };
             let q = Tensor::randn(0f32, 1.0, (rows, 9, 64), &Device::Cpu).unwrap();
-            let t = per_layer(&causal(vec![seq], 9, 3, 64, 16), &q, &caches, 40);
+            let t = per_layer(&causal_attention(vec![seq], 9, 3, 64, 16), &q, &caches, 40);
             println!(
                 "attention rows={rows} ctx={ctx}: {:.1} us per layer",
                 t * 1e6
@@ -83,7 +70,7 @@ fn main() {
             })
             .collect();
         let q = Tensor::randn(0f32, 1.0, (n * rows, 9, 64), &Device::Cpu).unwrap();
-        let t = per_layer(&causal(seqs, 9, 3, 64, 16), &q, &caches, 10);
+        let t = per_layer(&causal_attention(seqs, 9, 3, 64, 16), &q, &caches, 10);
         println!(
             "attention {n} sequences x {rows} rows, ctx={ctx}: {:.1} us per layer, {:.2} us per sequence",
             t * 1e6,

@@ -3,9 +3,8 @@
 //! memory (`stream`). `cargo bench -p dspark-engine --bench matmul [-- shapes|stream]`
 //! (both without an argument).
 
-use candle_core::quantized::QTensor;
-use candle_core::{Device, Tensor};
 use dspark_engine::kernels::{matmul_many, packed, Isa, QMatrix, QType};
+use dspark_engine::testutil::{quantized, random_with_outliers};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -21,25 +20,6 @@ fn main() {
     if want("stream") {
         bench_stream();
     }
-}
-
-fn random(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
-    (0..len)
-        .map(|i| {
-            let v: f32 = rng.random_range(-1.0..1.0);
-            // Occasional outliers exercise the per-block scales.
-            if i % 37 == 5 {
-                v * 8.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
-fn quantized(ty: QType, n: usize, k: usize, rng: &mut ChaCha8Rng) -> QTensor {
-    let w = Tensor::from_vec(random(n * k, rng), (n, k), &Device::Cpu).unwrap();
-    QTensor::quantize(&w, ty.ggml()).unwrap()
 }
 
 /// Throughput of the shapes of SmolLM2-135M, weights cache-resident.
@@ -66,7 +46,7 @@ fn bench_shapes() {
             layouts.push(("packed", plain.with_packed(Some(p))));
         }
         for m in [1, 2, 3, 4, 8, 16, 64] {
-            let x = random(m * k, &mut rng);
+            let x = random_with_outliers(m * k, &mut rng);
             let mut y = vec![0f32; m * n];
             let reps = if n > 10000 { reps / 10 } else { reps } / m.max(1) + 1;
             for (name, w) in &layouts {
@@ -139,7 +119,7 @@ fn bench_stream() {
     let ms = [1usize, 2, 3, 4, 8];
     for round in 0..12 {
         for &m in &ms {
-            let x = random(m * 1536, &mut rng);
+            let x = random_with_outliers(m * 1536, &mut rng);
             let mut o = vec![vec![0f32; m * 1536]; 3];
             let t = std::time::Instant::now();
             let mut sec = [0f64; 5];

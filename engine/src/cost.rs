@@ -223,6 +223,26 @@ mod tests {
         serde_json::to_string(&t).unwrap()
     }
 
+    /// A scratch folder holding `cost-table.json` with `table(model, points)`: the folder
+    /// and the file.
+    fn table_file(model: &str, points: &[(u32, f64)]) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = crate::testutil::scratch_dir("cost");
+        let path = dir.join("cost-table.json");
+        std::fs::write(&path, table(model, points)).unwrap();
+        (dir, path)
+    }
+
+    /// Polls `done` every 10 ms, 200 times at most: whether it came true.
+    fn wait_until(done: impl Fn() -> bool) -> bool {
+        for _ in 0..200 {
+            if done() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
     #[test]
     fn default_is_valid_and_monotone() {
         let t = default_table("m", "cpu");
@@ -263,23 +283,12 @@ mod tests {
 
     #[test]
     fn file_is_hot_reloaded_and_bad_edits_are_ignored() {
-        let dir = std::env::temp_dir().join(format!("dspark-cost-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("cost-table.json");
-        std::fs::write(&path, table("m", &[(1, 100.0), (4, 60.0)])).unwrap();
+        let (dir, path) = table_file("m", &[(1, 100.0), (4, 60.0)]);
         let c = Arc::new(CostTables::new("m", "cpu", None));
         c.watch_file(&path, Duration::from_millis(20)).unwrap();
         assert_eq!(c.current().revision, 1);
         assert_eq!(c.current().source, CostTableSource::File);
-        let wait_for = |rev: u64| {
-            for _ in 0..200 {
-                if c.current().revision == rev {
-                    return true;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            false
-        };
+        let wait_for = |rev: u64| wait_until(|| c.current().revision == rev);
         // A ConfigMap-style swap: write elsewhere, rename over.
         let tmp = dir.join("tmp.json");
         std::fs::write(&tmp, table("m", &[(1, 100.0), (4, 80.0)])).unwrap();
@@ -314,10 +323,7 @@ mod tests {
     /// installed.
     #[test]
     fn a_table_for_another_model_at_start_serves_the_default_until_one_fits() {
-        let dir = std::env::temp_dir().join(format!("dspark-cost-other-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("cost-table.json");
-        std::fs::write(&path, table("m@0123456789ab", &[(1, 100.0), (4, 60.0)])).unwrap();
+        let (dir, path) = table_file("m@0123456789ab", &[(1, 100.0), (4, 60.0)]);
         let metrics = Arc::new(Metrics::new("m"));
         let c = Arc::new(CostTables::new(
             "m@ba9876543210",
@@ -328,12 +334,7 @@ mod tests {
         assert_eq!(c.current().source, CostTableSource::Default);
         assert_eq!(metrics.cost_table_refusals.get(), 1);
         std::fs::write(&path, table("m@ba9876543210", &[(1, 100.0), (4, 70.0)])).unwrap();
-        for _ in 0..200 {
-            if c.current().source == CostTableSource::File {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(|| c.current().source == CostTableSource::File);
         assert_eq!(c.current().source, CostTableSource::File);
         assert_eq!(c.current().sps(4), 70.0);
         std::fs::remove_dir_all(&dir).ok();

@@ -9,6 +9,26 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use std::path::{Path, PathBuf};
 
+/// The compute flags of every subcommand that loads a model: the device and the kernel
+/// threads.
+#[derive(clap::Args)]
+pub struct ComputeArgs {
+    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Worker threads for the compute kernels (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl ComputeArgs {
+    /// Sizes the kernel thread pool ([`init_threads`]) and opens the [`device`].
+    pub fn start(&self) -> Result<Device> {
+        init_threads(self.threads);
+        device(&self.device)
+    }
+}
+
 pub fn device(name: &str) -> Result<Device> {
     match name {
         "cpu" => Ok(Device::Cpu),

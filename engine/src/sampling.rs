@@ -436,25 +436,25 @@ mod tests {
     #[test]
     fn top_k_and_top_p_keep_the_right_mass() {
         let logits = vec![3.0, 2.0, 1.0, 0.0, -1.0];
-        let sp = SamplingParams {
+        let probs = |sp: SamplingParams| {
+            let Dist::Probs(p) = target_probs(&logits, &sp) else {
+                panic!()
+            };
+            p
+        };
+        let p = probs(SamplingParams {
             temperature: 1.0,
             top_k: 2,
             ..Default::default()
-        };
-        let Dist::Probs(p) = target_probs(&logits, &sp) else {
-            panic!()
-        };
+        });
         assert!(p[2] == 0.0 && p[3] == 0.0 && p[4] == 0.0);
         assert!((p[0] + p[1] - 1.0).abs() < 1e-6);
         assert!((p[0] / p[1] - std::f32::consts::E).abs() < 1e-4);
-        let sp = SamplingParams {
+        let p = probs(SamplingParams {
             temperature: 1.0,
             top_p: 0.5,
             ..Default::default()
-        };
-        let Dist::Probs(p) = target_probs(&logits, &sp) else {
-            panic!()
-        };
+        });
         assert_eq!(p[0], 1.0, "the top token alone holds > 50% of the mass");
         let sp = SamplingParams {
             temperature: 0.0,

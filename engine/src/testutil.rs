@@ -1,7 +1,10 @@
 //! Test fixtures shared by the engine's unit tests: a tiny random Llama target written as a
 //! Hugging Face folder and loaded through `Model::load` like any model.
 
+use crate::kernels::QType;
+use crate::model::attention::{AttnBatch, AttnSeq, PagedAttention};
 use crate::model::Model;
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -13,6 +16,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub const VOCAB: usize = 96;
 pub const HIDDEN: usize = 32;
 pub const LAYERS: usize = 6;
+
+/// The shipped DSpark Markov drafter of the default model (SmolLM2-135M).
+pub fn shipped_drafter() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../drafters/smollm2-135m-dspark-markov")
+}
 
 /// A fresh, empty scratch folder unique to this process and call.
 pub fn scratch_dir(tag: &str) -> PathBuf {
@@ -34,6 +42,48 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
         .to_scalar::<f32>()
         .unwrap()
+}
+
+/// `len` values uniform in [-1, 1), every 37th (from the 6th) scaled by 8: occasional
+/// outliers exercise the kernels' per-block scales.
+pub fn random_with_outliers(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let v: f32 = rng.random_range(-1.0..1.0);
+            if i % 37 == 5 {
+                v * 8.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// An `n x k` matrix of [`random_with_outliers`] values quantised to `ty` by candle (the
+/// blocks a GGUF file holds).
+pub fn quantized(ty: QType, n: usize, k: usize, rng: &mut ChaCha8Rng) -> QTensor {
+    let w = Tensor::from_vec(random_with_outliers(n * k, rng), (n, k), &Device::Cpu).unwrap();
+    QTensor::quantize(&w, ty.ggml()).unwrap()
+}
+
+/// A causal attention op over `seqs` (scale 0.125, no window).
+pub fn causal_attention(
+    seqs: Vec<AttnSeq>,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    bs: usize,
+) -> PagedAttention {
+    PagedAttention {
+        seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        block_size: bs,
+        scale: 0.125,
+        window: None,
+        causal: true,
+    }
 }
 
 pub fn uniform(rng: &mut ChaCha8Rng, shape: &[usize], bound: f32) -> Tensor {

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::http::{client, get_json};
+use common::http::{client, error_message, get_json};
 use common::{metric, serve, Server};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::AppOptions;
@@ -140,7 +140,7 @@ fn admin_token_cost_table_refusals_and_the_scheduler_following_the_table() {
     ] {
         let (c, v) = admin(&e, "PUT", "/admin/v1/cost-table", Some(TOKEN), &body);
         assert_eq!(c, code, "{v}");
-        let msg = v["error"]["message"].as_str().unwrap();
+        let msg = error_message(&v);
         assert!(msg.contains(why), "{msg}");
         assert_eq!(
             admin(&e, "GET", "/admin/v1/state", Some(TOKEN), "").1["cost_table_revision"],

@@ -2,10 +2,12 @@
 
 mod common;
 
-use common::http::{client, post, sse};
+use common::http::{client, error_message, get, get_json, post, post_response, sse};
 use common::{metric, Server};
 use dspark_engine::engine::EngineConfig;
 use dspark_engine::runtime::AppOptions;
+use dspark_engine::speculative::{Speculation, VerifyPolicy};
+use dspark_engine::testutil::shipped_drafter;
 use serde_json::{json, Value};
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -35,19 +37,35 @@ fn start_state(
     })
 }
 
-/// An engine speculating with the shipped DSpark drafter, verifying 4 drafts per block.
-fn spawn_shipped_drafter() -> Server {
-    use dspark_engine::speculative::{Speculation, VerifyPolicy};
-    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
+/// An engine speculating with `speculation` (and `drafter` where given), verifying 4 drafts
+/// per block, on a 64 MB cache.
+fn spawn_speculating(speculation: Speculation, drafter: Option<std::path::PathBuf>) -> Server {
     spawn_with(
         EngineConfig {
-            speculation: Speculation::DSparkMarkov,
+            speculation,
             policy: VerifyPolicy::Fixed { gamma: 4 },
             ..Default::default()
         },
         64,
-        Some(shipped),
+        drafter,
+    )
+}
+
+/// An engine speculating with the shipped DSpark drafter, verifying 4 drafts per block.
+fn spawn_shipped_drafter() -> Server {
+    spawn_speculating(Speculation::DSparkMarkov, Some(shipped_drafter()))
+}
+
+/// An engine running at most `max_running` requests with `max_waiting` more queued, on a
+/// 64 MB cache.
+fn spawn_limited(max_running: usize, max_waiting: usize) -> Server {
+    spawn(
+        EngineConfig {
+            max_running,
+            max_waiting,
+            ..Default::default()
+        },
+        64,
     )
 }
 
@@ -61,6 +79,69 @@ fn metrics_text(s: &Server) -> String {
     common::http::metrics_page(&s.base)
 }
 
+/// Reads the `/metrics` page up to `tries` times, `pause` apart, until `done` holds of it:
+/// whether it did.
+fn poll_metrics(s: &Server, tries: usize, pause: Duration, done: impl Fn(&str) -> bool) -> bool {
+    for _ in 0..tries {
+        if done(&metrics_text(s)) {
+            return true;
+        }
+        std::thread::sleep(pause);
+    }
+    false
+}
+
+/// A `/tokenize` request that succeeds (200): its answer.
+fn tokenize_ok(base: &str, body: Value) -> Value {
+    let (code, r) = post(base, "/tokenize", body);
+    assert_eq!(code, 200, "{r}");
+    r
+}
+
+/// POSTs a chat completion of one user message (`chat`) to the API at `base`.
+fn post_chat(base: &str, content: &str, extra: Value) -> (u16, Value) {
+    post(base, "/v1/chat/completions", chat(content, extra))
+}
+
+/// A chat completion of one user message that succeeds (200): its answer.
+fn chat_ok(base: &str, content: &str, extra: Value) -> Value {
+    let (code, r) = post_chat(base, content, extra);
+    assert_eq!(code, 200, "{r}");
+    r
+}
+
+/// The text of a chat completion of one user message that ends where the model (or its
+/// grammar) stopped, not at `max_tokens`.
+fn chat_to_stop(base: &str, content: &str, extra: Value) -> String {
+    let r = chat_ok(base, content, extra);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    chat_content(&r).to_string()
+}
+
+/// The text of a chat completion's first choice.
+fn chat_content(r: &Value) -> &str {
+    r["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+/// The text and the usage (null when none came) of a streamed chat completion's `data:`
+/// frames: chat chunks, `[DONE]` last.
+fn streamed_chat(frames: &[String]) -> (String, Value) {
+    assert_eq!(frames.last().unwrap(), "[DONE]");
+    let mut text = String::new();
+    let mut usage = Value::Null;
+    for f in &frames[..frames.len() - 1] {
+        let v: Value = serde_json::from_str(f).unwrap();
+        assert_eq!(v["object"], "chat.completion.chunk");
+        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(c);
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    (text, usage)
+}
+
 fn chat(content: &str, extra: Value) -> Value {
     let mut body = json!({"model": "smollm2", "messages": [{"role": "user", "content": content}]});
     for (k, v) in extra.as_object().unwrap() {
@@ -72,19 +153,12 @@ fn chat(content: &str, extra: Value) -> Value {
 #[test]
 fn chat_streaming_equals_non_streaming_greedy() {
     let s = server();
-    let (code, full) = post(
+    let full = chat_ok(
         &s.base,
-        "/v1/chat/completions",
-        chat(
-            "Name three colors.",
-            json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true}),
-        ),
+        "Name three colors.",
+        json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true}),
     );
-    assert_eq!(code, 200, "{full}");
-    let text = full["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let text = chat_content(&full).to_string();
     assert!(!text.is_empty());
     assert_eq!(full["usage"]["completion_tokens"], 24);
     assert_eq!(full["choices"][0]["finish_reason"], "length");
@@ -96,19 +170,7 @@ fn chat_streaming_equals_non_streaming_greedy() {
             json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
         ),
     );
-    assert_eq!(frames.last().unwrap(), "[DONE]");
-    let mut streamed = String::new();
-    let mut usage = Value::Null;
-    for f in &frames[..frames.len() - 1] {
-        let v: Value = serde_json::from_str(f).unwrap();
-        assert_eq!(v["object"], "chat.completion.chunk");
-        if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-            streamed.push_str(c);
-        }
-        if !v["usage"].is_null() {
-            usage = v["usage"].clone();
-        }
-    }
+    let (streamed, usage) = streamed_chat(&frames);
     assert_eq!(
         streamed, text,
         "streamed text differs from the non-streamed answer"
@@ -186,15 +248,8 @@ fn concurrent_requests_batch_and_match_solo_greedy() {
     let solo: Vec<String> = prompts
         .iter()
         .map(|p| {
-            post(
-                &s.base,
-                "/v1/chat/completions",
-                chat(p, json!({"max_tokens": 20, "temperature": 0})),
-            )
-            .1["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string()
+            let (_, r) = post_chat(&s.base, p, json!({"max_tokens": 20, "temperature": 0}));
+            chat_content(&r).to_string()
         })
         .collect();
     let handles: Vec<_> = prompts
@@ -203,10 +258,7 @@ fn concurrent_requests_batch_and_match_solo_greedy() {
             let base = s.base.clone();
             let body = chat(p, json!({"max_tokens": 20, "temperature": 0}));
             std::thread::spawn(move || {
-                post(&base, "/v1/chat/completions", body).1["choices"][0]["message"]["content"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
+                chat_content(&post(&base, "/v1/chat/completions", body).1).to_string()
             })
         })
         .collect();
@@ -217,11 +269,7 @@ fn concurrent_requests_batch_and_match_solo_greedy() {
 #[test]
 fn invalid_requests_get_openai_errors() {
     let s = server();
-    let (code, e) = post(
-        &s.base,
-        "/v1/chat/completions",
-        json!({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}),
-    );
+    let (code, e) = post_chat(&s.base, "x", json!({"model": "gpt-4"}));
     assert_eq!(code, 404);
     assert_eq!(e["error"]["code"], "model_not_found");
     for (extra, param) in [
@@ -235,7 +283,7 @@ fn invalid_requests_get_openai_errors() {
         (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
     ] {
-        let (code, e) = post(&s.base, "/v1/chat/completions", chat("x", extra.clone()));
+        let (code, e) = post_chat(&s.base, "x", extra.clone());
         assert_eq!(code, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], param, "{extra}: {e}");
     }
@@ -245,28 +293,14 @@ fn invalid_requests_get_openai_errors() {
         json!({"model": "smollm2", "prompt": [[1, 2], [3, -4]]}),
     );
     assert_eq!(code, 400, "{e}");
-    assert!(
-        e["error"]["message"].as_str().unwrap().contains("prompt 1"),
-        "{e}"
-    );
-    let (code, e) = post(
-        &s.base,
-        "/v1/chat/completions",
-        chat("x", json!({"max_tokens": 5000})),
-    );
+    assert!(error_message(&e).contains("prompt 1"), "{e}");
+    let (code, e) = post_chat(&s.base, "x", json!({"max_tokens": 5000}));
     assert_eq!(code, 400);
     assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("maximum context length is 2048"),
+        error_message(&e).contains("maximum context length is 2048"),
         "{e}"
     );
-    let (code, _) = post(
-        &s.base,
-        "/v1/chat/completions",
-        chat("x", json!({"temperature": 7})),
-    );
+    let (code, _) = post_chat(&s.base, "x", json!({"temperature": 7}));
     assert_eq!(code, 400);
     let r = client()
         .post(format!("{}/v1/completions", s.base))
@@ -288,28 +322,10 @@ fn invalid_requests_get_openai_errors() {
 #[test]
 fn models_health_ready_metrics() {
     let s = server();
-    let m: Value = client()
-        .get(format!("{}/v1/models", s.base))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
+    let m: Value = get_json(format!("{}/v1/models", s.base));
     assert_eq!(m["data"][0]["id"], "smollm2");
-    assert_eq!(
-        client()
-            .get(format!("{}/health", s.base))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16(),
-        200
-    );
-    let r: Value = client()
-        .get(format!("{}/ready", s.base))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
+    assert_eq!(get(&format!("{}/health", s.base)).0, 200);
+    let r: Value = get_json(format!("{}/ready", s.base));
     assert_eq!(r["status"], "ready");
     post(
         &s.base,
@@ -335,49 +351,29 @@ fn models_health_ready_metrics() {
 
 #[test]
 fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
-    let s = spawn(
-        EngineConfig {
-            max_running: 1,
-            max_waiting: 1,
-            ..Default::default()
-        },
-        64,
-    );
+    let s = spawn_limited(1, 1);
     // A long streaming request; read one frame, then hang up.
     {
-        let mut r = client()
-            .post(format!("{}/v1/completions", s.base))
-            .json(&json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1000, "stream": true, "temperature": 0.8, "ignore_eos": true}))
-            .send()
-            .unwrap();
+        let mut r = post_response(
+            &s.base,
+            "/v1/completions",
+            &json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1000, "stream": true, "temperature": 0.8, "ignore_eos": true}),
+        );
         assert_eq!(r.status().as_u16(), 200);
         let mut buf = [0u8; 64];
         use std::io::Read;
         r.read_exact(&mut buf).unwrap();
         // The request holds KV blocks while it streams (the gauge is published per engine
         // step, which on a busy machine may come a little after the first bytes).
-        let mut used = 0.0;
-        for _ in 0..50 {
-            let text = metrics_text(&s);
-            used = metric(&text, "dspark_kv_cache_usage_ratio");
-            if used > 0.0 {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert!(used > 0.0, "a streaming request holds no KV blocks");
+        let used = poll_metrics(&s, 50, Duration::from_millis(20), |text| {
+            metric(text, "dspark_kv_cache_usage_ratio") > 0.0
+        });
+        assert!(used, "a streaming request holds no KV blocks");
     }
-    let mut freed = false;
-    for _ in 0..100 {
-        std::thread::sleep(Duration::from_millis(100));
-        let text = metrics_text(&s);
-        if metric(&text, "dspark_kv_cache_usage_ratio") == 0.0
-            && metric(&text, "dspark_num_requests_running") == 0.0
-        {
-            freed = true;
-            break;
-        }
-    }
+    let freed = poll_metrics(&s, 100, Duration::from_millis(100), |text| {
+        metric(text, "dspark_kv_cache_usage_ratio") == 0.0
+            && metric(text, "dspark_num_requests_running") == 0.0
+    });
     assert!(freed, "KV blocks of a disconnected client were not freed");
     // One running + one waiting fill the engine; the next request is refused with 429.
     let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.8, "ignore_eos": true});
@@ -389,25 +385,17 @@ fn disconnected_client_frees_its_kv_blocks_and_full_queue_gives_429() {
     let l2 = long.clone();
     let h2 = std::thread::spawn(move || post(&b2, "/v1/completions", l2).0);
     wait_ready(&s.base, "requests_waiting", 1);
-    let r = client()
-        .post(format!("{}/v1/completions", s.base))
-        .json(&long)
-        .send()
-        .unwrap();
+    let r = post_response(&s.base, "/v1/completions", &long);
     assert_eq!(r.status().as_u16(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     let e: Value = r.json().unwrap();
-    assert!(e["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("queue is full"));
+    assert!(error_message(&e).contains("queue is full"));
     assert_eq!(h1.join().unwrap(), 200);
     assert_eq!(h2.join().unwrap(), 200);
 }
 
 #[test]
 fn speculative_engines_stream_the_same_greedy_text_over_http() {
-    use dspark_engine::speculative::{Speculation, VerifyPolicy};
     let plain = server();
     let body = |stream: bool| {
         chat(
@@ -416,32 +404,11 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
         )
     };
     let (_, reference) = post(&plain.base, "/v1/chat/completions", body(false));
-    let expected = reference["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let expected = chat_content(&reference).to_string();
     for speculation in [Speculation::Ngram, Speculation::DSparkMarkov] {
-        let s = spawn(
-            EngineConfig {
-                speculation,
-                policy: VerifyPolicy::Fixed { gamma: 4 },
-                ..Default::default()
-            },
-            64,
-        );
+        let s = spawn_speculating(speculation, None);
         let frames = sse(&s.base, "/v1/chat/completions", body(true));
-        assert_eq!(frames.last().unwrap(), "[DONE]");
-        let mut text = String::new();
-        let mut usage = Value::Null;
-        for f in &frames[..frames.len() - 1] {
-            let v: Value = serde_json::from_str(f).unwrap();
-            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
-                text.push_str(c);
-            }
-            if !v["usage"].is_null() {
-                usage = v["usage"].clone();
-            }
-        }
+        let (text, usage) = streamed_chat(&frames);
         assert_eq!(
             text, expected,
             "{speculation:?} streamed different greedy text"
@@ -451,12 +418,7 @@ fn speculative_engines_stream_the_same_greedy_text_over_http() {
             usage["draft_tokens"].as_u64().unwrap() > 0,
             "{speculation:?} never drafted: {usage}"
         );
-        let r: Value = client()
-            .get(format!("{}/ready", s.base))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
+        let r: Value = get_json(format!("{}/ready", s.base));
         assert_eq!(r["speculation"], speculation.flag());
         let m = metrics_text(&s);
         assert!(metric(&m, "dspark_spec_decode_num_draft_tokens_total") > 0.0);
@@ -508,22 +470,16 @@ fn n_choices_and_several_prompts() {
         .map(|c| c["text"].as_str().unwrap())
         .collect();
     assert_eq!(texts, again, "seeded choices repeat");
-    let first_prompt_tokens = {
+    let prompt_tokens = |prompt: &str| {
         let (_, one) = post(
             &s.base,
             "/v1/completions",
-            json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 1}),
+            json!({"model": "smollm2", "prompt": prompt, "max_tokens": 1}),
         );
         one["usage"]["prompt_tokens"].as_u64().unwrap()
     };
-    let second_prompt_tokens = {
-        let (_, one) = post(
-            &s.base,
-            "/v1/completions",
-            json!({"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1}),
-        );
-        one["usage"]["prompt_tokens"].as_u64().unwrap()
-    };
+    let first_prompt_tokens = prompt_tokens("The capital of France is");
+    let second_prompt_tokens = prompt_tokens("Once upon a time");
     assert_eq!(
         a["usage"]["prompt_tokens"].as_u64().unwrap(),
         first_prompt_tokens + second_prompt_tokens
@@ -577,15 +533,11 @@ fn n_choices_and_several_prompts() {
         a["usage"]["completion_tokens"]
     );
     // Chat with n = 2 (greedy: both choices are the one greedy answer).
-    let (code, c) = post(
+    let c = chat_ok(
         &s.base,
-        "/v1/chat/completions",
-        chat(
-            "Say hi.",
-            json!({"n": 2, "max_tokens": 8, "temperature": 0}),
-        ),
+        "Say hi.",
+        json!({"n": 2, "max_tokens": 8, "temperature": 0}),
     );
-    assert_eq!(code, 200, "{c}");
     assert_eq!(c["choices"][1]["index"], 1);
     assert_eq!(c["choices"][0]["message"], c["choices"][1]["message"]);
 }
@@ -614,12 +566,7 @@ fn logit_bias_and_penalties_steer_the_output() {
     };
     let plain = ask(json!({}));
     let tokenize = |text: String| -> Vec<u64> {
-        let (code, r) = post(
-            &s.base,
-            "/tokenize",
-            json!({"model": "smollm2", "prompt": text}),
-        );
-        assert_eq!(code, 200, "{r}");
+        let r = tokenize_ok(&s.base, json!({"model": "smollm2", "prompt": text}));
         assert_eq!(
             r["count"].as_u64().unwrap() as usize,
             r["tokens"].as_array().unwrap().len()
@@ -736,7 +683,6 @@ fn n_choices_of_one_prompt_prefill_it_once() {
 /// Bad grammars and two constraints at once are 400s naming the field.
 #[test]
 fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
-    use dspark_engine::speculative::{Speculation, VerifyPolicy};
     let plain = server();
     let schema = json!({"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 20},
@@ -768,13 +714,7 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
     let answer = |base: &str, body: &Value| -> (String, Value) {
         let (code, r) = post(base, "/v1/chat/completions", body.clone());
         assert_eq!(code, 200, "{r}");
-        (
-            r["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-            r,
-        )
+        (chat_content(&r).to_string(), r)
     };
     let expected: Vec<String> = cases.iter().map(|c| answer(&plain.base, c).0).collect();
     println!("{expected:?}");
@@ -801,21 +741,11 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
         "{}",
         expected[3]
     );
-    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
     for (speculation, drafter) in [
         (Speculation::Ngram, None),
-        (Speculation::DSparkMarkov, Some(shipped)),
+        (Speculation::DSparkMarkov, Some(shipped_drafter())),
     ] {
-        let s = spawn_with(
-            EngineConfig {
-                speculation,
-                policy: VerifyPolicy::Fixed { gamma: 4 },
-                ..Default::default()
-            },
-            64,
-            drafter,
-        );
+        let s = spawn_speculating(speculation, drafter);
         let mut drafted = 0;
         for (c, want) in cases.iter().zip(&expected) {
             let (got, r) = answer(&s.base, c);
@@ -839,11 +769,7 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
             "guided_grammar",
         ),
     ] {
-        let (code, e) = post(
-            &plain.base,
-            "/v1/chat/completions",
-            chat("x", extra.clone()),
-        );
+        let (code, e) = post_chat(&plain.base, "x", extra.clone());
         assert_eq!(code, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], param, "{extra}: {e}");
     }
@@ -871,7 +797,7 @@ fn structured_outputs_follow_the_constraint_with_and_without_speculation() {
     let (code, e) = post(&plain.base, "/v1/chat/completions", body(4));
     assert_eq!(code, 400, "{e}");
     assert_eq!(e["error"]["param"], "max_tokens", "{e}");
-    let msg = e["error"]["message"].as_str().unwrap();
+    let msg = error_message(&e);
     let need: u64 = msg
         .split("at least ")
         .nth(1)
@@ -903,11 +829,7 @@ fn a_cancelled_request_leaves_the_cache_consistent() {
     let s = spawn(EngineConfig::default(), 64);
     let mut streaming = body.clone();
     streaming["stream"] = json!(true);
-    let mut r = client()
-        .post(format!("{}/v1/chat/completions", s.base))
-        .json(&streaming)
-        .send()
-        .unwrap();
+    let mut r = post_response(&s.base, "/v1/chat/completions", &streaming);
     let mut buf = [0u8; 512];
     let _ = r.read(&mut buf).unwrap();
     drop(r);
@@ -1036,20 +958,12 @@ fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
     }
     assert!(drafted > 0, "the drafter never drafted");
     // `none`: the tools are not shown (the prompt is the one without tools).
-    let (_, bare) = post(
+    let (_, bare) = post_chat(&plain.base, "Hi", json!({"max_tokens": 4}));
+    let r = chat_ok(
         &plain.base,
-        "/v1/chat/completions",
-        chat("Hi", json!({"max_tokens": 4})),
+        "Hi",
+        json!({"max_tokens": 4, "tools": weather_tools(), "tool_choice": "none"}),
     );
-    let (code, r) = post(
-        &plain.base,
-        "/v1/chat/completions",
-        chat(
-            "Hi",
-            json!({"max_tokens": 4, "tools": weather_tools(), "tool_choice": "none"}),
-        ),
-    );
-    assert_eq!(code, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens"], bare["usage"]["prompt_tokens"]);
     assert!(r["choices"][0]["message"]["tool_calls"].is_null());
     // A conversation with an earlier call and its result.
@@ -1123,12 +1037,10 @@ fn tool_calls_are_forced_parsed_streamed_and_lossless_under_speculation() {
 #[test]
 fn a_prompt_cached_up_to_its_last_token_speculates_after_one_token() {
     let s = spawn_shipped_drafter();
-    let (code, t) = post(
+    let t = tokenize_ok(
         &s.base,
-        "/tokenize",
         json!({"prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that large n stay fast.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"}),
     );
-    assert_eq!(code, 200, "{t}");
     let ids: Vec<u64> = t["tokens"].as_array().unwrap()[..33]
         .iter()
         .map(|v| v.as_u64().unwrap())
@@ -1159,20 +1071,13 @@ fn a_request_that_fails_fails_alone() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         st.engine
             .submit(GenRequest {
-                prompt: prompt.clone(),
                 params: dspark_engine::sampling::SamplingParams {
                     temperature: 0.0,
                     ..Default::default()
                 },
-                max_tokens: 12,
-                stop: vec![],
-                logprobs: None,
                 ignore_eos: true,
-                events: tx,
-                arrived: std::time::Instant::now(),
-                span: tracing::Span::none(),
-                operation: "text_completion",
                 constraint,
+                ..GenRequest::new(prompt.clone(), 12, tx)
             })
             .unwrap();
         rx
@@ -1227,7 +1132,7 @@ fn oversized_bodies_get_413_in_openai_format() {
         let e: Value = r.json().expect("an OpenAI error body");
         assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
         assert_eq!(e["error"]["code"], "request_too_large", "{e}");
-        let msg = e["error"]["message"].as_str().unwrap();
+        let msg = error_message(&e);
         assert!(msg.contains(&limit.to_string()), "{msg}");
     };
     // Four 1 MB stop strings (4 MB), and 20 MB.
@@ -1306,10 +1211,7 @@ fn null_message_content_is_a_400_naming_the_field() {
         assert_eq!(code, 400, "{body}: {e}");
         assert_eq!(e["error"]["param"], param, "{body}: {e}");
         assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
-        assert!(
-            e["error"]["message"].as_str().unwrap().contains(param),
-            "{e}"
-        );
+        assert!(error_message(&e).contains(param), "{e}");
     }
     let calls = msgs(json!([
         {"role": "user", "content": "Weather in Paris?"},
@@ -1411,21 +1313,15 @@ fn json_outputs_are_compact_and_their_numbers_end() {
         "additionalProperties": false});
     let rf = json!({"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": true}});
     for seed in 0..3 {
-        let (code, r) = post(
+        let text = chat_to_stop(
             &s.base,
-            "/v1/chat/completions",
-            chat(
-                "Describe a fictional athlete as JSON.",
-                json!({"max_tokens": 250, "temperature": 0.8, "seed": seed, "response_format": rf}),
-            ),
+            "Describe a fictional athlete as JSON.",
+            json!({"max_tokens": 250, "temperature": 0.8, "seed": seed, "response_format": rf}),
         );
-        assert_eq!(code, 200, "{r}");
-        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
-        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
-        let v: Value = serde_json::from_str(text).expect("the answer parses");
+        let v: Value = serde_json::from_str(&text).expect("the answer parses");
         assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
         assert!(
-            !outside_strings(text).contains(char::is_whitespace),
+            !outside_strings(&text).contains(char::is_whitespace),
             "not compact: {text:?}"
         );
     }
@@ -1444,17 +1340,11 @@ fn json_outputs_are_compact_and_their_numbers_end() {
     assert!(!bias.is_empty(), "no single-digit tokens");
     let number = json!({"type": "json_schema", "json_schema": {"name": "n", "schema":
         {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}});
-    let (code, r) = post(
+    let text = chat_to_stop(
         &s.base,
-        "/v1/chat/completions",
-        chat(
-            "Write a number.",
-            json!({"max_tokens": 200, "temperature": 0, "logit_bias": bias, "response_format": number}),
-        ),
+        "Write a number.",
+        json!({"max_tokens": 200, "temperature": 0, "logit_bias": bias, "response_format": number}),
     );
-    assert_eq!(code, 200, "{r}");
-    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
-    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{text}");
     let longest = text
         .split(|c: char| !c.is_ascii_digit())
         .map(str::len)
@@ -1463,23 +1353,16 @@ fn json_outputs_are_compact_and_their_numbers_end() {
     assert!(longest <= 20, "a run of {longest} digits: {text}");
     assert!(text.starts_with("{\"x\":") && text.ends_with('}'), "{text}");
     // Flexible whitespace on request; an empty pattern is refused.
-    let (code, r) = post(
+    chat_ok(
         &s.base,
-        "/v1/chat/completions",
-        chat(
-            "Describe a fictional athlete as JSON.",
-            json!({"max_tokens": 160, "temperature": 0, "response_format": rf,
+        "Describe a fictional athlete as JSON.",
+        json!({"max_tokens": 160, "temperature": 0, "response_format": rf,
                 "guided_whitespace_pattern": "[ \\n]{0,2}"}),
-        ),
     );
-    assert_eq!(code, 200, "{r}");
-    let (code, e) = post(
+    let (code, e) = post_chat(
         &s.base,
-        "/v1/chat/completions",
-        chat(
-            "x",
-            json!({"response_format": rf, "guided_whitespace_pattern": ""}),
-        ),
+        "x",
+        json!({"response_format": rf, "guided_whitespace_pattern": ""}),
     );
     assert_eq!(code, 400, "{e}");
     assert_eq!(e["error"]["param"], "guided_whitespace_pattern", "{e}");
@@ -1517,7 +1400,7 @@ fn schema_analysis_is_bounded() {
         assert!(code == 200 || code == 400, "{code}: {body}");
         if code == 400 && body["error"]["param"] != "max_tokens" {
             assert_eq!(body["error"]["code"], "limit_exceeded", "{body}");
-            let msg = body["error"]["message"].as_str().unwrap();
+            let msg = error_message(&body);
             assert!(msg.contains("--max-grammar-work"), "{msg}");
         }
         assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
@@ -1534,37 +1417,23 @@ fn schema_analysis_is_bounded() {
         .collect();
     let names: Vec<&String> = props.keys().collect();
     let wide = json!({"type": "object", "properties": props, "required": names});
-    let (code, e) = post(
+    let (code, e) = post_chat(
         &tight.base,
-        "/v1/chat/completions",
-        chat(
-            "x",
-            json!({"max_tokens": 500, "response_format": {"type": "json_schema",
+        "x",
+        json!({"max_tokens": 500, "response_format": {"type": "json_schema",
                 "json_schema": {"name": "w", "schema": wide}}}),
-        ),
     );
     assert_eq!(code, 400, "{e}");
     assert_eq!(e["error"]["param"], "response_format", "{e}");
     assert_eq!(e["error"]["code"], "limit_exceeded", "{e}");
-    assert!(
-        e["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("--max-grammar-work"),
-        "{e}"
-    );
+    assert!(error_message(&e).contains("--max-grammar-work"), "{e}");
 }
 
 /// Polls `/ready` until nothing runs or waits.
 fn wait_idle(base: &str) {
     let t = std::time::Instant::now();
     loop {
-        let r: Value = client()
-            .get(format!("{base}/ready"))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
+        let r: Value = get_json(format!("{base}/ready"));
         if r["requests_running"] == 0 && r["requests_waiting"] == 0 {
             return;
         }
@@ -1583,12 +1452,7 @@ fn wait_running(base: &str, n: u64) {
 fn wait_ready(base: &str, field: &str, n: u64) {
     let t = std::time::Instant::now();
     loop {
-        let r: Value = client()
-            .get(format!("{base}/ready"))
-            .send()
-            .unwrap()
-            .json()
-            .unwrap();
+        let r: Value = get_json(format!("{base}/ready"));
         if r[field].as_u64().unwrap_or(0) >= n {
             return;
         }
@@ -1618,11 +1482,7 @@ fn a_dead_engine_fails_probes_and_requests() {
         "temperature": 0.8, "ignore_eos": true});
     let mut streamed = long.clone();
     streamed["stream"] = json!(true);
-    let r = client()
-        .post(format!("{}/v1/completions", s.base))
-        .json(&streamed)
-        .send()
-        .unwrap();
+    let r = post_response(&s.base, "/v1/completions", &streamed);
     assert_eq!(r.status().as_u16(), 200);
     let mut lines = std::io::BufReader::new(r).lines();
     let first = lines
@@ -1642,13 +1502,7 @@ fn a_dead_engine_fails_probes_and_requests() {
     let (last, before) = rest.split_last().expect("frames after the fault");
     assert_eq!(last, "[DONE]", "{rest:?}");
     let err: Value = serde_json::from_str(before.last().expect("an error frame")).unwrap();
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("panicked"),
-        "{err}"
-    );
+    assert!(error_message(&err).contains("panicked"), "{err}");
     let (code, e) = whole.join().unwrap();
     assert_eq!(code, 503, "{e}");
     assert_eq!(e["error"]["type"], "server_error", "{e}");
@@ -1662,10 +1516,7 @@ fn a_dead_engine_fails_probes_and_requests() {
         json!({"model": "default", "prompt": "Hi", "max_tokens": 2}),
     );
     assert_eq!(code, 503, "{e}");
-    assert!(
-        e["error"]["message"].as_str().unwrap().contains("stopped"),
-        "{e}"
-    );
+    assert!(error_message(&e).contains("stopped"), "{e}");
 }
 
 /// An engine that makes no progress while requests wait (a step that hangs, injected)
@@ -1689,14 +1540,7 @@ fn a_stalled_engine_fails_the_probes_until_it_moves() {
             ..Default::default()
         },
     ));
-    let probe = |path: &str| {
-        client()
-            .get(format!("{}{path}", s.base))
-            .send()
-            .unwrap()
-            .status()
-            .as_u16()
-    };
+    let probe = |path: &str| get(&format!("{}{path}", s.base)).0;
     let until = |path: &str, code: u16| {
         let t = std::time::Instant::now();
         while probe(path) != code {
@@ -1715,12 +1559,7 @@ fn a_stalled_engine_fails_the_probes_until_it_moves() {
         )
     });
     until("/health", 503);
-    let r: Value = client()
-        .get(format!("{}/ready", s.base))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
+    let r: Value = get_json(format!("{}/ready", s.base));
     assert_eq!(r["status"], "engine_stalled", "{r}");
     assert!(
         r["engine_error"]
@@ -1797,21 +1636,14 @@ fn responses_greedy_equals_chat_and_streams_the_documented_events() {
     assert_eq!(r["object"], "response");
     assert_eq!(r["status"], "incomplete", "{r}");
     assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
-    assert_eq!(
-        output_text(&r),
-        chat_r["choices"][0]["message"]["content"].as_str().unwrap()
-    );
+    assert_eq!(output_text(&r), chat_content(&chat_r));
     assert_eq!(r["usage"]["input_tokens"], chat_r["usage"]["prompt_tokens"]);
     assert_eq!(r["usage"]["output_tokens"], 20);
     assert!(r["usage"]["input_tokens_details"]["cached_tokens"].is_u64());
     // Streamed: `event:` then `data:`, numbered, in the documented order, no `[DONE]`.
     let mut stream = body;
     stream["stream"] = json!(true);
-    let text = client()
-        .post(format!("{}/v1/responses", s.base))
-        .json(&stream)
-        .send()
-        .unwrap()
+    let text = post_response(&s.base, "/v1/responses", &stream)
         .text()
         .unwrap();
     let lines: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
@@ -1921,12 +1753,7 @@ fn responses_tools_formats_and_refusals() {
 #[test]
 fn model_retrieve_and_completion_echo() {
     let s = server();
-    let r: Value = client()
-        .get(format!("{}/v1/models/smollm2", s.base))
-        .send()
-        .unwrap()
-        .json()
-        .unwrap();
+    let r: Value = get_json(format!("{}/v1/models/smollm2", s.base));
     assert_eq!(r["id"], "smollm2");
     assert_eq!(r["object"], "model");
     let r = client()
@@ -1967,14 +1794,7 @@ fn model_retrieve_and_completion_echo() {
 /// they show the queue, the running batch and the KV blocks in use, and go back to zero.
 #[test]
 fn gie_model_server_metrics_follow_the_load() {
-    let s = spawn(
-        EngineConfig {
-            max_running: 2,
-            max_waiting: 8,
-            ..Default::default()
-        },
-        64,
-    );
+    let s = spawn_limited(2, 8);
     let text = metrics_text(&s);
     let info = text
         .lines()
@@ -1989,46 +1809,30 @@ fn gie_model_server_metrics_follow_the_load() {
     let long = json!({"model": "default", "prompt": "Once upon a time", "max_tokens": 1000,
         "stream": true, "temperature": 0.8, "ignore_eos": true});
     let streams: Vec<_> = (0..6)
-        .map(|_| {
-            client()
-                .post(format!("{}/v1/completions", s.base))
-                .json(&long)
-                .send()
-                .unwrap()
-        })
+        .map(|_| post_response(&s.base, "/v1/completions", &long))
         .collect();
-    let mut seen = None;
-    for _ in 0..100 {
-        let text = metrics_text(&s);
+    let seen = poll_metrics(&s, 100, Duration::from_millis(50), |text| {
         let (waiting, running, kv) = (
-            metric(&text, "vllm:num_requests_waiting"),
-            metric(&text, "vllm:num_requests_running"),
-            metric(&text, "vllm:kv_cache_usage_perc"),
+            metric(text, "vllm:num_requests_waiting"),
+            metric(text, "vllm:num_requests_running"),
+            metric(text, "vllm:kv_cache_usage_perc"),
         );
-        if waiting >= 4.0 && running == 2.0 && kv > 0.0 {
-            assert_eq!(waiting, metric(&text, "dspark_num_requests_waiting"));
-            assert_eq!(kv, metric(&text, "vllm:gpu_cache_usage_perc"));
-            seen = Some(kv);
-            break;
+        let loaded = waiting >= 4.0 && running == 2.0 && kv > 0.0;
+        if loaded {
+            assert_eq!(waiting, metric(text, "dspark_num_requests_waiting"));
+            assert_eq!(kv, metric(text, "vllm:gpu_cache_usage_perc"));
         }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        loaded
+    });
     assert!(
-        seen.is_some(),
+        seen,
         "the gauges never showed 4 waiting, 2 running and KV in use"
     );
     drop(streams);
-    let mut idle = false;
-    for _ in 0..100 {
-        std::thread::sleep(Duration::from_millis(100));
-        let text = metrics_text(&s);
-        if metric(&text, "vllm:num_requests_waiting") == 0.0
-            && metric(&text, "vllm:num_requests_running") == 0.0
-            && metric(&text, "vllm:kv_cache_usage_perc") == 0.0
-        {
-            idle = true;
-            break;
-        }
-    }
+    let idle = poll_metrics(&s, 100, Duration::from_millis(100), |text| {
+        metric(text, "vllm:num_requests_waiting") == 0.0
+            && metric(text, "vllm:num_requests_running") == 0.0
+            && metric(text, "vllm:kv_cache_usage_perc") == 0.0
+    });
     assert!(idle, "the GIE gauges did not go back to zero");
 }

@@ -33,15 +33,8 @@ fn agreement(path: &Path) -> (usize, usize, f64) {
     let reference = common::reference(path);
     let (mut agree, mut total, mut worst_margin) = (0, 0, 0f64);
     for seq in reference["sequences"].as_array().unwrap() {
-        let ids = |v: &serde_json::Value| -> Vec<u32> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let tokens = ids(&seq["tokens"]);
-        let top1 = ids(&seq["top1"]);
+        let tokens = common::json_ids(&seq["tokens"]);
+        let top1 = common::json_ids(&seq["top1"]);
         let top5 = seq["top5_logits"].as_array().unwrap();
         let logits = m.logits_for(&tokens, &mut kv).unwrap();
         for (i, row) in logits.iter().enumerate().take(top1.len()) {
@@ -135,12 +128,7 @@ fn tokenizer_matches_llama_cpp_tokenization() {
         let (mut same, mut n) = (0, 0);
         for seq in reference["sequences"].as_array().unwrap() {
             let text = seq["text"].as_str().unwrap();
-            let expect: Vec<u32> = seq["tokens"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect();
+            let expect = common::json_ids(&seq["tokens"]);
             let ours = tok.encode(text, add_bos).unwrap();
             n += 1;
             // References may be truncated; compare the common prefix length.
@@ -200,40 +188,30 @@ fn batched_vs_solo(path: &Path) {
         assert!(kv.ensure(t, s.len()));
     }
     let cut: Vec<usize> = seqs.iter().map(|s| s.len() / 2).collect();
-    let first: Vec<SeqBatch> = seqs
-        .iter()
-        .zip(&tables)
-        .zip(&cut)
-        .map(|((s, t), &c)| SeqBatch {
-            tokens: s[..c].to_vec(),
-            start_pos: 0,
-            block_table: t.clone(),
-            num_logits: c,
-        })
-        .collect();
-    let out1 = m
-        .forward(&first, &mut kv, &[])
-        .unwrap()
-        .logits
-        .to_vec2::<f32>()
-        .unwrap();
-    let second: Vec<SeqBatch> = seqs
-        .iter()
-        .zip(&tables)
-        .zip(&cut)
-        .map(|((s, t), &c)| SeqBatch {
-            tokens: s[c..].to_vec(),
-            start_pos: c,
-            block_table: t.clone(),
-            num_logits: s.len() - c,
-        })
-        .collect();
-    let out2 = m
-        .forward(&second, &mut kv, &[])
-        .unwrap()
-        .logits
-        .to_vec2::<f32>()
-        .unwrap();
+    // The first (or second) chunks of all sequences in one forward: logits of every row.
+    let mut forward_chunks = |second: bool| -> Vec<Vec<f32>> {
+        let batch: Vec<SeqBatch> = seqs
+            .iter()
+            .zip(&tables)
+            .zip(&cut)
+            .map(|((s, t), &c)| {
+                let rows = if second { c..s.len() } else { 0..c };
+                SeqBatch {
+                    tokens: s[rows.clone()].to_vec(),
+                    start_pos: rows.start,
+                    block_table: t.clone(),
+                    num_logits: rows.len(),
+                }
+            })
+            .collect();
+        m.forward(&batch, &mut kv, &[])
+            .unwrap()
+            .logits
+            .to_vec2::<f32>()
+            .unwrap()
+    };
+    let out1 = forward_chunks(false);
+    let out2 = forward_chunks(true);
     let mut rows = out1.iter();
     let mut batched: Vec<Vec<Vec<f32>>> = seqs.iter().map(|_| vec![]).collect();
     for (i, &c) in cut.iter().enumerate() {

@@ -10,7 +10,6 @@
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use dspark_engine::kv::KvCache;
 use dspark_engine::model::{argmax, Model};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -261,8 +260,7 @@ fn reference(
 
 fn ours(path: &Path, tokens: &[u32]) -> Vec<Vec<f32>> {
     let m = Model::load(path, &Device::Cpu, &|_, _| {}).unwrap();
-    let mut kv =
-        KvCache::new(m.cfg.num_layers, m.cfg.kv_dim(), 16 << 20, 16, &Device::Cpu).unwrap();
+    let mut kv = m.kv_cache(16 << 20, 16).unwrap();
     m.logits_for(tokens, &mut kv).unwrap()
 }
 

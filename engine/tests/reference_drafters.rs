@@ -21,8 +21,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use dspark_engine::engine::EngineConfig;
-use dspark_engine::kv::KvCache;
-use dspark_engine::model::{Model, SeqBatch};
+use dspark_engine::model::Model;
 use dspark_engine::runtime::AppOptions;
 use dspark_engine::speculative::dspark::{DSparkDrafter, Layout};
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
@@ -225,40 +224,13 @@ fn engine_target_hidden_states_match_the_reference_target() {
     let Some(dir) = generated() else { return };
     let m = manifest(dir);
     let target = target(dir);
-    let prompt: Vec<u32> = m["prompt"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
+    let prompt = common::json_ids(&m["prompt"]);
+    let ids: Vec<usize> = common::json_ids(&m["layer_ids"])
+        .into_iter()
+        .map(|i| i as usize)
         .collect();
-    let ids: Vec<usize> = m["layer_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as usize)
-        .collect();
-    let mut kv = KvCache::new(
-        target.cfg.num_layers,
-        target.cfg.kv_dim(),
-        1 << 20,
-        16,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let mut table = Vec::new();
-    assert!(kv.ensure(&mut table, prompt.len()));
-    let out = target
-        .forward(
-            &[SeqBatch {
-                tokens: prompt.clone(),
-                start_pos: 0,
-                block_table: table,
-                num_logits: 1,
-            }],
-            &mut kv,
-            &ids,
-        )
-        .unwrap();
+    let mut kv = target.kv_cache(1 << 20, 16).unwrap();
+    let out = target.forward_fresh(&prompt, &mut kv, 1, &ids).unwrap();
     let reference = candle_core::safetensors::load(
         dir.join("deepspec-vanilla-b16/reference.safetensors"),
         &Device::Cpu,
@@ -385,12 +357,7 @@ fn served_reference_and_converted_drafters_decode_like_plain() {
     let model = dir.join("target");
     let target = target(dir);
     let prompts: Vec<Vec<u32>> = vec![
-        m["prompt"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect(),
+        common::json_ids(&m["prompt"]),
         (0..20).map(|i| (i * 37 % 384) as u32).collect(),
         vec![5, 9, 200],
     ];

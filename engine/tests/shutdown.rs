@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::http::{error_message, post_response};
 use common::process::EngineProcess;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
@@ -30,6 +31,13 @@ fn engine(drain_secs: u64) -> EngineProcess {
     )
 }
 
+/// A request the stopping engine refused: 503 in OpenAI's error format, saying `why`.
+fn assert_refused(code: u16, err: &Value, why: &str) {
+    assert_eq!(code, 503, "{err}");
+    assert_eq!(err["error"]["type"], "server_error", "{err}");
+    assert!(error_message(err).contains(why), "{err}");
+}
+
 fn completion(max_tokens: usize, stream: bool) -> Value {
     json!({"model": "default", "prompt": "Once upon a time", "max_tokens": max_tokens,
            "temperature": 0, "ignore_eos": true, "stream": stream})
@@ -39,11 +47,7 @@ fn completion(max_tokens: usize, stream: bool) -> Value {
 /// returned channel (the first one tells the request is running), the thread ends with
 /// the stream.
 fn stream(base: &str, body: Value) -> std::sync::mpsc::Receiver<String> {
-    let r = common::http::client()
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .unwrap();
+    let r = post_response(base, "/v1/completions", &body);
     assert_eq!(r.status().as_u16(), 200);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -90,15 +94,7 @@ fn sigterm_lets_a_request_in_flight_finish_and_exits_0() {
         p.status("/ready") == Some(503)
     });
     let (code, err) = common::http::post(&p.base, "/v1/completions", completion(4, false));
-    assert_eq!(code, 503, "{err}");
-    assert_eq!(err["error"]["type"], "server_error", "{err}");
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("shutting down"),
-        "{err}"
-    );
+    assert_refused(code, &err, "shutting down");
     let rest = rest(&rx);
     assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "{rest:?}");
     assert!(
@@ -134,15 +130,7 @@ fn sigterm_ends_what_cannot_finish_at_the_drain_deadline_and_exits_0() {
     let t = Instant::now();
     p.sigterm();
     let (code, err) = plain.join().unwrap();
-    assert_eq!(code, 503, "{err}");
-    assert_eq!(err["error"]["type"], "server_error", "{err}");
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("drain timeout"),
-        "{err}"
-    );
+    assert_refused(code, &err, "drain timeout");
     let rest = rest(&rx);
     let n = rest.len();
     assert!(n >= 2, "{rest:?}");

@@ -8,8 +8,8 @@ use dspark_engine::engine::{EngineConfig, Event, GenRequest, Usage};
 use dspark_engine::runtime::AppOptions;
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::{Speculation, VerifyPolicy};
+use dspark_engine::testutil::shipped_drafter;
 use std::sync::OnceLock;
-use std::time::Instant;
 
 const MAX_TOKENS: usize = 16;
 
@@ -59,7 +59,7 @@ fn run_with(
         online_calibration: online,
         ..Default::default()
     };
-    let (r, m, _) = run_cfg(cfg, prompts, max_tokens, drafter, None);
+    let (r, m, _) = run_cfg(cfg, prompts, max_tokens, drafter, None, &greedy());
     (r, m)
 }
 
@@ -85,39 +85,31 @@ fn table_json(model_id: &str, sps: impl Fn(f64) -> f64, draft_ms: f64) -> String
 
 type Outputs = Vec<(String, usize, usize, usize)>;
 
-/// [`run_with`] with the cost table `table(model_id)` installed before any request and the
-/// given engine config (its batch bound raised to 1024); also returns the app state.
+/// A run's outputs, its `/metrics` page and its app state.
+type Run = (
+    Outputs,
+    String,
+    std::sync::Arc<dspark_engine::server::AppState>,
+);
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
+}
+
+/// [`run_with`] with the cost table `table(model_id)` installed before any request, the
+/// given engine config (its batch bound raised to 1024) and every request sampled under
+/// `params`; also returns the app state.
 fn run_cfg(
     cfg: EngineConfig,
     prompts: &[String],
     max_tokens: usize,
     drafter: Option<std::path::PathBuf>,
     table: Option<&dyn Fn(&str) -> String>,
-) -> (
-    Outputs,
-    String,
-    std::sync::Arc<dspark_engine::server::AppState>,
-) {
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
-    run_cfg_params(cfg, prompts, max_tokens, drafter, table, &greedy)
-}
-
-/// [`run_cfg`] with every request sampled under `params`.
-fn run_cfg_params(
-    cfg: EngineConfig,
-    prompts: &[String],
-    max_tokens: usize,
-    drafter: Option<std::path::PathBuf>,
-    table: Option<&dyn Fn(&str) -> String>,
     params: &SamplingParams,
-) -> (
-    Outputs,
-    String,
-    std::sync::Arc<dspark_engine::server::AppState>,
-) {
+) -> Run {
     let state = start(cfg, drafter, table);
     let results = submit_all(&state, prompts, max_tokens, params)
         .into_iter()
@@ -243,24 +235,22 @@ fn check(
     out
 }
 
-#[test]
-fn ngram_greedy_is_lossless() {
-    check(Speculation::Ngram, &[1, 4, 7, 16], None);
+/// One test per untrained drafter kind: greedy decoding through it, at gamma 1, 4, 7 and
+/// 16, is plain decoding.
+macro_rules! greedy_is_lossless {
+    ($($name:ident: $speculation:expr,)*) => {$(
+        #[test]
+        fn $name() {
+            check($speculation, &[1, 4, 7, 16], None);
+        }
+    )*};
 }
 
-#[test]
-fn parallel_drafter_greedy_is_lossless() {
-    check(Speculation::Parallel, &[1, 4, 7, 16], None);
-}
-
-#[test]
-fn dspark_markov_greedy_is_lossless() {
-    check(Speculation::DSparkMarkov, &[1, 4, 7, 16], None);
-}
-
-#[test]
-fn dspark_rnn_greedy_is_lossless() {
-    check(Speculation::DSparkRnn, &[1, 4, 7, 16], None);
+greedy_is_lossless! {
+    ngram_greedy_is_lossless: Speculation::Ngram,
+    parallel_drafter_greedy_is_lossless: Speculation::Parallel,
+    dspark_markov_greedy_is_lossless: Speculation::DSparkMarkov,
+    dspark_rnn_greedy_is_lossless: Speculation::DSparkRnn,
 }
 
 /// The shipped trained DSpark Markov drafter (context input) drafts tokens the
@@ -268,8 +258,7 @@ fn dspark_rnn_greedy_is_lossless() {
 /// context bookkeeping after partial acceptance, with many requests batched.
 #[test]
 fn shipped_markov_drafter_greedy_is_lossless() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
+    let dir = shipped_drafter();
     let accepted = check(Speculation::DSparkMarkov, &[3, 7], Some(dir));
     for a in accepted {
         assert!(
@@ -284,8 +273,7 @@ fn shipped_markov_drafter_greedy_is_lossless() {
 /// the output stays the target's and the offsets are exported per mode and position.
 #[test]
 fn online_recalibration_with_a_confidence_policy_is_lossless() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters/smollm2-135m-dspark-markov");
+    let dir = shipped_drafter();
     let prompts = prompts();
     let plain = plain(&prompts);
     let (spec, metrics) = run_with(
@@ -323,14 +311,29 @@ fn first_prompts(n: usize) -> Vec<String> {
     prompts().into_iter().take(n).collect()
 }
 
+/// [`run_cfg`] with the shipped drafter and the cost table `table`, whose output must be
+/// `plain`'s prompt by prompt (`note` ends the failure message): the outputs, the metrics
+/// page and the app state.
+fn shipped_equals_plain(
+    cfg: EngineConfig,
+    prompts: &[String],
+    max_tokens: usize,
+    table: &dyn Fn(&str) -> String,
+    plain: &Outputs,
+    note: &str,
+) -> Run {
+    let drafter = Some(shipped_drafter());
+    let (spec, m, state) = run_cfg(cfg, prompts, max_tokens, drafter, Some(table), &greedy());
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding{note}");
+    }
+    (spec, m, state)
+}
+
 /// Plain decoding of `prompts` (no drafter).
 fn plain_run(prompts: &[String], max_tokens: usize) -> Outputs {
     let plain = VerifyPolicy::Fixed { gamma: 1 };
     run(Speculation::None, plain, prompts, max_tokens, None)
-}
-
-fn shipped_drafter() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../drafters/smollm2-135m-dspark-markov")
 }
 
 /// The dspark policy prices the whole cycle. Where verification never pays (every extra
@@ -346,21 +349,16 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
     let plain = plain_run(&prompts, max_tokens);
     let policy = VerifyPolicy::Dspark { gamma: 4 };
     let steep = |id: &str| table_json(id, |b| 100.0 / b, 1.0);
-    let cfg = |policy: VerifyPolicy| EngineConfig {
-        speculation: Speculation::DSparkMarkov,
-        policy,
-        ..Default::default()
+    // The metrics of a run under the cost table `table`, lossless.
+    let run_under = |table: &dyn Fn(&str) -> String, note: &str| {
+        let cfg = EngineConfig {
+            speculation: Speculation::DSparkMarkov,
+            policy: policy.clone(),
+            ..Default::default()
+        };
+        shipped_equals_plain(cfg, &prompts, max_tokens, table, &plain, note).1
     };
-    let (spec, m, _) = run_cfg(
-        cfg(policy.clone()),
-        &prompts,
-        max_tokens,
-        Some(shipped_drafter()),
-        Some(&steep),
-    );
-    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
-        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding");
-    }
+    let m = run_under(&steep, "");
     let steps = common::metric(&m, "dspark_engine_steps_total");
     let skipped = common::metric(&m, "dspark_spec_decode_draft_skipped_steps_total");
     let drafting = common::metric(&m, "dspark_spec_decode_draft_steps_total");
@@ -387,19 +385,7 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
     );
 
     let flat = |id: &str| table_json(id, |_| 100.0, 0.01);
-    let (spec, m, _) = run_cfg(
-        cfg(policy),
-        &prompts,
-        max_tokens,
-        Some(shipped_drafter()),
-        Some(&flat),
-    );
-    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
-        assert_eq!(
-            a.0, b.0,
-            "prompt {i} differs from plain decoding (flat table)"
-        );
-    }
+    let m = run_under(&flat, " (flat table)");
     let skipped = common::metric(&m, "dspark_spec_decode_draft_skipped_steps_total");
     let drafting = common::metric(&m, "dspark_spec_decode_draft_steps_total");
     println!("flat table: {skipped} skipped, {drafting} drafting");
@@ -428,16 +414,7 @@ fn policy_experiment_alternates_arms_losslessly() {
         ..Default::default()
     };
     let flat = |id: &str| table_json(id, |b| 100.0 / (1.0 + (b - 1.0) / 16.0), 0.2);
-    let (spec, m, state) = run_cfg(
-        cfg,
-        &prompts,
-        max_tokens,
-        Some(shipped_drafter()),
-        Some(&flat),
-    );
-    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
-        assert_eq!(a.0, b.0, "prompt {i} differs from plain decoding");
-    }
+    let (spec, m, state) = shipped_equals_plain(cfg, &prompts, max_tokens, &flat, &plain, "");
     let windows = state.experiment.as_ref().unwrap().lock().unwrap().clone();
     println!(
         "{} windows: {:?}",
@@ -475,10 +452,7 @@ fn policy_experiment_alternates_arms_losslessly() {
     // can pass in the prefill of the first wave; so later small waves start under whatever
     // arm is in force then, until one drafts (each wave still the target's output).
     let mut drafted: usize = spec.iter().map(|r| r.2).sum();
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
+    let greedy = greedy();
     let wave: Vec<String> = prompts[..4].to_vec();
     let mut waves = 0;
     while drafted == 0 && waves < 12 {
@@ -513,7 +487,7 @@ fn greedy_with_penalties_and_bias_is_lossless() {
         ..Default::default()
     };
     let plain_cfg = EngineConfig::default();
-    let (plain, _, _) = run_cfg_params(plain_cfg, &prompts, max_tokens, None, None, &params);
+    let (plain, _, _) = run_cfg(plain_cfg, &prompts, max_tokens, None, None, &params);
     let unpenalised = plain_run(&prompts, max_tokens);
     let changed = plain
         .iter()
@@ -535,7 +509,7 @@ fn greedy_with_penalties_and_bias_is_lossless() {
             policy: VerifyPolicy::Fixed { gamma },
             ..Default::default()
         };
-        let (spec, _, _) = run_cfg_params(cfg, &prompts, max_tokens, drafter, None, &params);
+        let (spec, _, _) = run_cfg(cfg, &prompts, max_tokens, drafter, None, &params);
         for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
             assert_eq!(
                 a.0, b.0,
@@ -567,10 +541,7 @@ fn prefix_cache_hits_are_lossless_with_the_drafter_context_shared() {
         .into_iter()
         .map(|p| format!("{preamble}{p}"))
         .collect();
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
+    let greedy = greedy();
     let max_tokens = 24;
     let plain =
         {
@@ -639,10 +610,7 @@ fn prefix_cache_hits_are_lossless_with_the_drafter_context_shared() {
 #[test]
 fn eviction_under_a_tiny_kv_budget_keeps_every_output() {
     let prompts = first_prompts(12);
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
+    let greedy = greedy();
     let reference = {
         let cfg = EngineConfig {
             prefix_cache: false,
@@ -681,20 +649,13 @@ fn sampled_tokens(
         state
             .engine
             .submit(GenRequest {
-                prompt: prompt.clone(),
                 params: SamplingParams {
                     seed: Some(seed),
                     ..params.clone()
                 },
-                max_tokens,
-                stop: vec![],
                 logprobs: Some(0),
                 ignore_eos: true,
-                events: tx,
-                arrived: Instant::now(),
-                span: tracing::Span::none(),
-                operation: "text_completion",
-                constraint: None,
+                ..GenRequest::new(prompt.clone(), max_tokens, tx)
             })
             .unwrap();
         rxs.push(rx);

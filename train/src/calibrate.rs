@@ -17,7 +17,7 @@
 
 use crate::data::Dataset;
 use crate::loss::acceptance_rate;
-use crate::model::{Blocks, TrainDrafter};
+use crate::model::TrainDrafter;
 use crate::{pick_anchors, targets, VocabMap};
 use anyhow::{ensure, Result};
 use candle_core::{DType, D};
@@ -285,19 +285,7 @@ pub fn collect(
         if a.is_empty() {
             continue;
         }
-        let feats = s
-            .feats
-            .narrow(0, 0, *a.last().expect("non-empty"))?
-            .to_device(&target.device)?
-            .to_dtype(DType::F32)?;
-        let o = td.forward(
-            target,
-            &Blocks {
-                feats: &feats,
-                tokens: &s.tokens,
-                anchors: &a,
-            },
-        )?;
+        let o = td.forward_seq(target, s, &a)?;
         let am: Vec<u32> = o
             .logits
             .argmax(D::Minus1)?

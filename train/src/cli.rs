@@ -111,11 +111,8 @@ pub struct TrainArgs {
     /// strongest --intermediate MLP neurons) instead of random weights.
     #[arg(long)]
     pub init_from_target: bool,
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub compute: loader::ComputeArgs,
 }
 
 /// The dataset folders of `--dataset` (default: the model's cache folder).
@@ -228,8 +225,7 @@ fn dataset(
 }
 
 pub fn run_train(a: TrainArgs) -> Result<()> {
-    loader::init_threads(a.threads);
-    let device = loader::device(&a.device)?;
+    let device = a.compute.start()?;
     let (model, tok) = loader::load(&a.model, &device, true)?;
     let dirs = dataset_dirs(&a.dataset, &model);
     let ds = dataset(&model, &tok, &dirs, &a)?;
@@ -314,16 +310,12 @@ pub struct CalibrateArgs {
     /// Also write the report as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub compute: loader::ComputeArgs,
 }
 
 pub fn run_calibrate(a: CalibrateArgs) -> Result<()> {
-    loader::init_threads(a.threads);
-    let device = loader::device(&a.device)?;
+    let device = a.compute.start()?;
     let (model, _) = loader::load(&a.model, &device, true)?;
     let ds = Dataset::load_all(&dataset_dirs(&a.dataset, &model))?;
     let mut d = DSparkDrafter::load(&a.drafter, &model)?;
@@ -425,11 +417,8 @@ pub struct EvalArgs {
     /// Folder for PNG plots: tau.png, acceptance.png (per position), reliability.png.
     #[arg(long)]
     pub plots: Option<PathBuf>,
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Compute device: cpu, or cuda[:N] in a build with `--features cuda`.
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub compute: loader::ComputeArgs,
 }
 
 fn split_kv(s: &str) -> Result<(String, PathBuf)> {
@@ -440,8 +429,7 @@ fn split_kv(s: &str) -> Result<(String, PathBuf)> {
 }
 
 pub fn run_eval(a: EvalArgs) -> Result<()> {
-    loader::init_threads(a.threads);
-    let device = loader::device(&a.device)?;
+    let device = a.compute.start()?;
     let (model, tok) = loader::load(&a.model, &device, true)?;
     let mut drafters: Vec<(String, EvalDrafter)> = Vec::new();
     if a.plain {

@@ -220,13 +220,7 @@ struct Gen {
 fn gen_cache(model: &Model, seqs: usize, len: usize) -> Result<KvCache> {
     let bytes =
         seqs * (len + 32) * KvCache::bytes_per_token(model.cfg.num_layers, model.cfg.kv_dim());
-    KvCache::new(
-        model.cfg.num_layers,
-        model.cfg.kv_dim(),
-        bytes,
-        16,
-        &model.device,
-    )
+    model.kv_cache(bytes, 16)
 }
 
 /// Rows fed per forward of a teacher-forced text (its logits are `rows x vocab` floats).

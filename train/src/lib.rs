@@ -35,7 +35,7 @@ use data::{Dataset, Sequence};
 use dspark_engine::model::Model;
 use dspark_engine::speculative::dspark::{DSparkConfig, DSparkDrafter, HeadKind};
 use loss::{dspark_loss, LossConfig, Targets};
-use model::{Blocks, TrainDrafter};
+use model::TrainDrafter;
 use optim::{AdamW, OptimConfig};
 use rand::seq::index::sample;
 use rand::{Rng, SeedableRng};
@@ -401,21 +401,7 @@ pub fn train(
         for _ in 0..tc.seqs_per_step {
             let s = &ds.seqs[usable[rng.random_range(0..usable.len())]];
             let anchors = pick_anchors(s, gamma, tc.anchors_per_seq, &mut rng);
-            let tmax = *anchors.last().expect("usable sequences have anchors");
-            // Datasets live in host memory; the drafter may not.
-            let feats = s
-                .feats
-                .narrow(0, 0, tmax)?
-                .to_device(&target.device)?
-                .to_dtype(DType::F32)?;
-            let out = td.forward(
-                target,
-                &Blocks {
-                    feats: &feats,
-                    tokens: &s.tokens,
-                    anchors: &anchors,
-                },
-            )?;
+            let out = td.forward_seq(target, s, &anchors)?;
             let t = targets(s, &anchors, gamma, k, &vm, &target.device)?;
             let parts = dspark_loss(&out, &t, gamma, &tc.loss)?;
             let l = (parts.total.clone() / tc.seqs_per_step as f64)?;

@@ -14,6 +14,7 @@
 //! The target's embedding and LM head are inputs, never variables, so they get no gradient
 //! and are never stored.
 
+use crate::data::Sequence;
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -165,6 +166,26 @@ impl TrainDrafter {
             .iter()
             .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
             .collect()
+    }
+
+    /// The blocks at `anchors` (ascending, not empty) of a dataset sequence: its features
+    /// up to the last anchor (datasets live in host memory; the drafter may not) as f32 on
+    /// the target's device, then [`Self::forward`].
+    pub fn forward_seq(&self, target: &Model, s: &Sequence, anchors: &[usize]) -> Result<BlockOut> {
+        let tmax = *anchors.last().context("no anchors")?;
+        let feats = s
+            .feats
+            .narrow(0, 0, tmax)?
+            .to_device(&target.device)?
+            .to_dtype(DType::F32)?;
+        self.forward(
+            target,
+            &Blocks {
+                feats: &feats,
+                tokens: &s.tokens,
+                anchors,
+            },
+        )
     }
 
     /// Target-layer features and anchors of one sequence -> block logits and confidences.

@@ -3,7 +3,6 @@
 
 use anyhow::{Context, Result};
 use dspark_engine::loader;
-use dspark_engine::source;
 use dspark_engine::speculative::Speculation;
 use dspark_types::contract::{env as cenv, flags};
 use std::path::PathBuf;
@@ -14,12 +13,8 @@ pub struct ProfileArgs {
     /// https://; see `fetch`).
     #[arg(long = flags::MODEL, env = cenv::MODEL)]
     pub model: String,
-    /// The cache folder for remote sources (see `fetch --cache`).
-    #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
-    pub cache: Option<PathBuf>,
-    /// Revisions the deployment pinned (see `fetch --revision-pins`).
-    #[arg(long = flags::REVISION_PINS, env = cenv::REVISION_PINS)]
-    pub revision_pins: Option<PathBuf>,
+    #[command(flatten)]
+    pub sources: super::SourceArgs,
     /// Where to write the table (default: stdout).
     #[arg(long = flags::OUTPUT)]
     pub output: Option<PathBuf>,
@@ -32,10 +27,8 @@ pub struct ProfileArgs {
     /// Drafter id recorded in the table.
     #[arg(long)]
     pub drafter_id: Option<String>,
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    #[arg(long)]
-    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub compute: loader::ComputeArgs,
     /// Largest B to measure (log-spaced grid from 1).
     #[arg(long, default_value_t = 64)]
     pub max_batch: u32,
@@ -76,9 +69,8 @@ pub struct ProfileArgs {
 pub fn profile(a: ProfileArgs) -> Result<()> {
     use dspark_engine::kv::KvCache;
     use dspark_engine::profile::{cost_table, log_grid, measure, ProfileOptions};
-    loader::init_threads(a.threads);
-    let device = loader::device(&a.device)?;
-    let fetched = source::resolve_arg(&a.model, a.cache.clone(), a.revision_pins.as_deref())?;
+    let device = a.compute.start()?;
+    let fetched = a.sources.resolve(&a.model)?;
     let (mut model, _) = loader::load(&fetched.path, &device, true)?;
     if fetched.revision.is_some() {
         model.id = fetched.model_id();
@@ -86,7 +78,7 @@ pub fn profile(a: ProfileArgs) -> Result<()> {
     let drafter = a
         .drafter
         .as_deref()
-        .map(|d| source::resolve_arg(d, a.cache.clone(), a.revision_pins.as_deref()))
+        .map(|d| a.sources.resolve(d))
         .transpose()?
         .map(|d| d.path);
     if a.batches.contains(&0) {

@@ -6,7 +6,6 @@ use dspark_engine::engine::EngineConfig;
 use dspark_engine::loader;
 use dspark_engine::runtime::{self, AppOptions};
 use dspark_engine::server::router_with;
-use dspark_engine::source;
 use dspark_engine::speculative::{PolicyKind, Speculation, VerifyPolicy};
 use dspark_types::contract::{env as cenv, flags, ports};
 use std::path::PathBuf;
@@ -18,12 +17,8 @@ pub struct ServeArgs {
     /// first: hf://ORG/REPO[@REVISION][/FILE], s3://BUCKET/KEY, https://URL.
     #[arg(long = flags::MODEL, env = cenv::MODEL)]
     pub model: String,
-    /// The cache folder for remote sources (see `fetch --cache`).
-    #[arg(long = flags::CACHE, env = cenv::MODEL_CACHE)]
-    pub cache: Option<PathBuf>,
-    /// Revisions the deployment pinned (see `fetch --revision-pins`).
-    #[arg(long = flags::REVISION_PINS, env = cenv::REVISION_PINS)]
-    pub revision_pins: Option<PathBuf>,
+    #[command(flatten)]
+    pub sources: super::SourceArgs,
     #[arg(long = flags::HOST, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long = flags::PORT, default_value_t = ports::HTTP)]
@@ -31,11 +26,8 @@ pub struct ServeArgs {
     /// Name clients use in the `model` field (the alias `default` always works).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Worker threads for the compute kernels (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub compute: loader::ComputeArgs,
     /// Memory budget of the paged KV cache.
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mb: usize,
@@ -139,7 +131,7 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
-    loader::init_threads(a.threads);
+    loader::init_threads(a.compute.threads);
     // No --speculation: the head of --drafter, or (once the model is loaded) its shipped
     // drafter; either runs the dspark policy unless --policy is given.
     let chosen = a.speculation.is_none();
@@ -206,11 +198,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 )?,
         ),
     };
-    let model = source::resolve_arg(&a.model, a.cache.clone(), a.revision_pins.as_deref())?;
+    let model = a.sources.resolve(&a.model)?;
     let drafter = a
         .drafter
         .as_deref()
-        .map(|d| source::resolve_arg(d, a.cache.clone(), a.revision_pins.as_deref()))
+        .map(|d| a.sources.resolve(d))
         .transpose()?;
     let mut policy = policy;
     if let (true, Some(d)) = (chosen, &drafter) {
@@ -244,7 +236,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let (state, summary) = runtime::start(&AppOptions {
         model: model.path.clone(),
         model_id: remote.then(|| model.model_id()),
-        device: a.device.clone(),
+        device: a.compute.device.clone(),
         served_model_name: a
             .served_model_name
             .clone()

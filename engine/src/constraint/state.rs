@@ -75,22 +75,4 @@ impl Constraint {
     pub fn is_stopped(&self) -> bool {
         self.m.is_stopped()
     }
-
-    /// Walks a draft block: the masks of positions `0..=k` and `k`, the number of draft
-    /// tokens the grammar allows in a row (those are consumed). Verification judges the
-    /// block up to the first forbidden token, which it rejects; nothing after is needed.
-    pub fn walk(&mut self, draft: &[u32]) -> Result<(Vec<Mask>, usize)> {
-        let mut masks = Vec::with_capacity(draft.len() + 1);
-        for (k, &t) in draft.iter().enumerate() {
-            let m = self.mask()?;
-            let ok = m.is_allowed(t) && !self.is_stopped();
-            masks.push(m);
-            if !ok {
-                return Ok((masks, k));
-            }
-            self.consume(t)?;
-        }
-        masks.push(self.mask()?);
-        Ok((masks, draft.len()))
-    }
 }

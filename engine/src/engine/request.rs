@@ -77,6 +77,27 @@ pub struct GenRequest {
     pub constraint: Option<crate::constraint::Constraint>,
 }
 
+impl GenRequest {
+    /// A plain text completion of `prompt` arriving now, events to `events`: the default
+    /// sampling, no stop strings, logprobs or constraint, ending at end-of-sequence; no
+    /// trace span. Set the rest with struct update syntax.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize, events: UnboundedSender<Event>) -> Self {
+        GenRequest {
+            prompt,
+            params: SamplingParams::default(),
+            max_tokens,
+            stop: vec![],
+            logprobs: None,
+            ignore_eos: false,
+            events,
+            arrived: Instant::now(),
+            span: tracing::Span::none(),
+            operation: "text_completion",
+            constraint: None,
+        }
+    }
+}
+
 /// The HTTP side's handle on the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {

@@ -190,6 +190,18 @@ impl Dequant for BlockQ4K {
     }
 }
 
+/// The centred 6-bit quants of Q6_K at `l`, `l + 32`, `l + 64` and `l + 96` of a half
+/// block (`ql`: its 64 low-nibble bytes, `qh`: its 32 high-bit bytes).
+#[inline(always)]
+pub(crate) fn q6k_quants(ql: &[u8], qh: &[u8], l: usize) -> [i32; 4] {
+    [
+        ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32,
+        ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32,
+        ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32,
+        ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32,
+    ]
+}
+
 impl Dequant for BlockQ6K {
     const BLOCK: usize = QK_K;
     fn dequant(&self, out: &mut [f32]) {
@@ -201,10 +213,7 @@ impl Dequant for BlockQ6K {
             let y = &mut out[128 * h..128 * h + 128];
             for l in 0..32 {
                 let is = l / 16;
-                let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                let [q1, q2, q3, q4] = q6k_quants(ql, qh, l);
                 y[l] = d * sc[is] as f32 * q1 as f32;
                 y[l + 32] = d * sc[is + 2] as f32 * q2 as f32;
                 y[l + 64] = d * sc[is + 4] as f32 * q3 as f32;

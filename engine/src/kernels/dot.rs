@@ -240,10 +240,7 @@ impl Kernel for Q6K {
                 let mut g = [0i32; 8];
                 for l in 0..32 {
                     let is = l / 16;
-                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    let [q1, q2, q3, q4] = q6k_quants(ql, qh, l);
                     g[is] += q1 * q8[l] as i32;
                     g[is + 2] += q2 * q8[l + 32] as i32;
                     g[is + 4] += q3 * q8[l + 64] as i32;

@@ -16,30 +16,11 @@
 use super::blocks::{QK, QK_K};
 use super::q8::{quantize_q8, quantize_q8k, Q8Block, Q8KBlock};
 use super::*;
-use candle_core::quantized::QTensor;
-use candle_core::{Device, Tensor};
+use crate::testutil::{quantized, random_with_outliers};
+use candle_core::Device;
 use proptest::prelude::*;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-
-fn random(len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
-    (0..len)
-        .map(|i| {
-            let v: f32 = rng.random_range(-1.0..1.0);
-            // Occasional outliers exercise the per-block scales.
-            if i % 37 == 5 {
-                v * 8.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
-fn quantized(ty: QType, n: usize, k: usize, rng: &mut ChaCha8Rng) -> QTensor {
-    let w = Tensor::from_vec(random(n * k, rng), (n, k), &Device::Cpu).unwrap();
-    QTensor::quantize(&w, ty.ggml()).unwrap()
-}
 
 /// Activations after the kernel's own quantisation, as f32, and per 32-block the rounding
 /// of Q8_1's `s` (`s - d * sum(q)`).
@@ -89,7 +70,7 @@ fn check(ty: QType, m: usize, n: usize, k: usize, seed: u64) {
     let data = qt.data().unwrap();
     let w = QMatrix::new(ty, n, k, &data).unwrap();
     let wf = w.dequantize();
-    let x = random(m * k, &mut rng);
+    let x = random_with_outliers(m * k, &mut rng);
     let (xq, ds): (Vec<Vec<f32>>, Vec<Vec<f64>>) =
         x.chunks(k).map(|r| quantised_acts(ty, r)).unzip();
     let (xq, ds) = (xq.concat(), ds.concat());
@@ -264,7 +245,7 @@ fn packed_rows_do_not_depend_on_their_batch() {
         let p = packed::Packed::new(ty, n, k, &data, isa).unwrap();
         let w = QMatrix::new(ty, n, k, &data).unwrap().with_packed(Some(&p));
         let m = 19;
-        let x = random(m * k, &mut rng);
+        let x = random_with_outliers(m * k, &mut rng);
         let mut all = vec![0f32; m * n];
         w.matmul_isa(&x, m, &mut all, isa);
         for r in 0..m {
@@ -280,7 +261,7 @@ fn packed_rows_do_not_depend_on_their_batch() {
 fn q8_quantisation_simd_equals_scalar() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for blocks in [1, 3, 18, 48] {
-        let mut x = random(blocks * QK, &mut rng);
+        let mut x = random_with_outliers(blocks * QK, &mut rng);
         x[5] = 0.0;
         if blocks > 2 {
             x[QK..2 * QK].fill(0.0); // an all-zero block

@@ -119,27 +119,25 @@ mod x86 {
         }
     }
 
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
-        unsafe {
-            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
-        }
+    /// `fn $name(v) -> f32`: the 8 lanes of `v` folded with `$ps` (halves, then pairs) and
+    /// `$ss` (the last two).
+    macro_rules! horizontal {
+        ($name:ident, $ps:ident, $ss:ident) => {
+            #[inline(always)]
+            unsafe fn $name(v: __m256) -> f32 {
+                // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
+                unsafe {
+                    let s = $ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                    let s = $ps(s, _mm_movehl_ps(s, s));
+                    let s = $ss(s, _mm_movehdup_ps(s));
+                    _mm_cvtss_f32(s)
+                }
+            }
+        };
     }
 
-    #[inline(always)]
-    unsafe fn hmax(v: __m256) -> f32 {
-        // SAFETY: register-only SSE/AVX arithmetic; callers run with AVX2 enabled.
-        unsafe {
-            let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_max_ss(s, _mm_movehdup_ps(s));
-            _mm_cvtss_f32(s)
-        }
-    }
+    horizontal!(hsum, _mm_add_ps, _mm_add_ss);
+    horizontal!(hmax, _mm_max_ps, _mm_max_ss);
 
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn exp_in_place(x: &mut [f32]) {

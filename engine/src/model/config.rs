@@ -32,6 +32,15 @@ impl Arch {
         matches!(self, Arch::Qwen3 | Arch::Gemma3)
     }
 
+    /// The MLP's activation: tanh-approximated GELU for Gemma, SiLU for the others.
+    pub fn activation(&self) -> Activation {
+        if *self == Arch::Gemma3 {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Arch::Llama => "llama",
@@ -159,11 +168,7 @@ impl ModelConfig {
             qkv_bias: arch == Arch::Qwen2,
             sandwich_norms: gemma,
             scale_embeddings: gemma,
-            activation: if gemma {
-                Activation::GeluTanh
-            } else {
-                Activation::Silu
-            },
+            activation: arch.activation(),
             attn_scale: 1.0 / (head_dim as f64).sqrt(),
             sliding_layers: if sliding_window.is_some() {
                 Self::gemma3_pattern(num_layers)
@@ -238,11 +243,7 @@ impl ModelConfig {
             qkv_bias: arch == Arch::Qwen2,
             sandwich_norms: gemma,
             scale_embeddings: gemma,
-            activation: if gemma {
-                Activation::GeluTanh
-            } else {
-                Activation::Silu
-            },
+            activation: arch.activation(),
             attn_scale: 1.0 / (c.query_pre_attn_scalar.unwrap_or(head_dim as f64)).sqrt(),
             sliding_window,
             sliding_layers,

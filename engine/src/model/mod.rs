@@ -289,8 +289,28 @@ impl Model {
         Ok(ForwardOutput { logits, hidden })
     }
 
-    /// Teacher-forced logits for one sequence from scratch (tests, evaluation).
-    pub fn logits_for(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+    /// An f32 KV cache for this model (its layers and key/value width, on its device) of
+    /// `budget_bytes`, in blocks of `block_size` tokens.
+    pub fn kv_cache(&self, budget_bytes: usize, block_size: usize) -> Result<KvCache> {
+        KvCache::new(
+            self.cfg.num_layers,
+            self.cfg.kv_dim(),
+            budget_bytes,
+            block_size,
+            &self.device,
+        )
+    }
+
+    /// One sequence forwarded from scratch in `kv` (its blocks are free again after): the
+    /// logits of its last `num_logits` tokens and the hidden states after `layers` (tests,
+    /// evaluation).
+    pub fn forward_fresh(
+        &self,
+        tokens: &[u32],
+        kv: &mut KvCache,
+        num_logits: usize,
+        layers: &[usize],
+    ) -> Result<ForwardOutput> {
         let mut table = Vec::new();
         anyhow::ensure!(kv.ensure(&mut table, tokens.len()), "KV cache too small");
         let out = self.forward(
@@ -298,13 +318,21 @@ impl Model {
                 tokens: tokens.to_vec(),
                 start_pos: 0,
                 block_table: table.clone(),
-                num_logits: tokens.len(),
+                num_logits,
             }],
             kv,
-            &[],
+            layers,
         );
         kv.truncate(&mut table, 0);
-        Ok(out?.logits.to_vec2::<f32>()?)
+        out
+    }
+
+    /// Teacher-forced logits for one sequence from scratch (tests, evaluation).
+    pub fn logits_for(&self, tokens: &[u32], kv: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+        Ok(self
+            .forward_fresh(tokens, kv, tokens.len(), &[])?
+            .logits
+            .to_vec2::<f32>()?)
     }
 }
 

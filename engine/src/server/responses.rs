@@ -207,6 +207,12 @@ fn input_messages(input: &ResponsesInput) -> Result<(Vec<Message>, Vec<usize>), 
                 )
             })
         };
+        // A message's content or a tool result's output: a string or input_text parts.
+        let text_of = |name: &str, needs: &str| match item.get(name) {
+            Some(Value::String(s)) => Ok(MessageContent::Text(s.clone())),
+            Some(Value::Array(parts)) => Ok(MessageContent::Parts(text_parts(parts))),
+            _ => Err(ApiError::invalid(&at(&format!(".{name}")), needs)),
+        };
         match kind_of(item) {
             "message" => {
                 let role = field("role")?;
@@ -216,16 +222,10 @@ fn input_messages(input: &ResponsesInput) -> Result<(Vec<Message>, Vec<usize>), 
                         format!("unknown role '{role}'; use user, system, developer or assistant (tool results are function_call_output items)"),
                     ));
                 }
-                let content = match item.get("content") {
-                    Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                    Some(Value::Array(parts)) => MessageContent::Parts(text_parts(parts)),
-                    _ => {
-                        return Err(ApiError::invalid(
-                            &at(".content"),
-                            "a message item needs content: a string or a list of input_text parts",
-                        ))
-                    }
-                };
+                let content = text_of(
+                    "content",
+                    "a message item needs content: a string or a list of input_text parts",
+                )?;
                 msgs.push(message(role, content));
                 item_of.push(i);
             }
@@ -250,16 +250,10 @@ fn input_messages(input: &ResponsesInput) -> Result<(Vec<Message>, Vec<usize>), 
                 }
             }
             "function_call_output" => {
-                let output = match item.get("output") {
-                    Some(Value::String(s)) => MessageContent::Text(s.clone()),
-                    Some(Value::Array(parts)) => MessageContent::Parts(text_parts(parts)),
-                    _ => {
-                        return Err(ApiError::invalid(
-                            &at(".output"),
-                            "a function_call_output item needs output (a string)",
-                        ))
-                    }
-                };
+                let output = text_of(
+                    "output",
+                    "a function_call_output item needs output (a string)",
+                )?;
                 let mut m = message("tool", output);
                 m.tool_call_id = Some(field("call_id")?.to_string());
                 msgs.push(m);

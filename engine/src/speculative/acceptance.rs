@@ -19,9 +19,23 @@ use rand_chacha::ChaCha8Rng;
 pub trait Grammar {
     /// The tokens allowed next.
     fn mask(&mut self) -> Result<Mask>;
-    /// Walks a draft block: the masks of positions `0..=k` and `k`, the drafts the grammar
-    /// allows in a row (consumed).
-    fn walk(&mut self, draft: &[u32]) -> Result<(Vec<Mask>, usize)>;
+    /// Walks a draft block: the masks of positions `0..=k` and `k`, the number of draft
+    /// tokens the grammar allows in a row (those are consumed). Verification judges the
+    /// block up to the first forbidden token, which it rejects; nothing after is needed.
+    fn walk(&mut self, draft: &[u32]) -> Result<(Vec<Mask>, usize)> {
+        let mut masks = Vec::with_capacity(draft.len() + 1);
+        for (k, &t) in draft.iter().enumerate() {
+            let m = self.mask()?;
+            let ok = m.is_allowed(t) && !self.is_stopped();
+            masks.push(m);
+            if !ok {
+                return Ok((masks, k));
+            }
+            self.consume(t)?;
+        }
+        masks.push(self.mask()?);
+        Ok((masks, draft.len()))
+    }
     /// Undoes the last `n` consumed tokens.
     fn rollback(&mut self, n: usize) -> Result<()>;
     /// Advances past a committed token.
@@ -33,9 +47,6 @@ pub trait Grammar {
 impl Grammar for Constraint {
     fn mask(&mut self) -> Result<Mask> {
         Constraint::mask(self)
-    }
-    fn walk(&mut self, draft: &[u32]) -> Result<(Vec<Mask>, usize)> {
-        Constraint::walk(self, draft)
     }
     fn rollback(&mut self, n: usize) -> Result<()> {
         Constraint::rollback(self, n)

@@ -150,6 +150,7 @@ pub fn probe_pays(
 mod tests {
     use super::*;
     use crate::speculative::scheduler::survival;
+    use crate::speculative::scheduler::tests::instance_of;
     use proptest::prelude::*;
 
     /// A probe runs only where a perfect drafter would pay: cheap extra tokens (flat table)
@@ -186,13 +187,7 @@ mod tests {
             0usize..(2 * DRAFT_PROBE),
         )
             .prop_map(|(conf, prefill, ratios, ms, skips)| {
-                let surv: Vec<Vec<f64>> = conf.iter().map(|c| survival(c)).collect();
-                let mut sps = vec![0.0, 100.0];
-                for r in ratios {
-                    let last = *sps.last().unwrap();
-                    sps.push(last / r);
-                }
-                let base = surv.len() + prefill;
+                let (surv, base, sps) = instance_of(&conf, prefill, &ratios);
                 (surv, base, sps, ms, skips)
             })
     }

@@ -263,7 +263,7 @@ pub fn schedule(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::speculative::gate::probe_pays;
     use proptest::prelude::*;
@@ -355,16 +355,25 @@ mod tests {
             0usize..4,
             prop::collection::vec(1.0f64..2.0, 40),
         )
-            .prop_map(|(conf, prefill, ratios)| {
-                let surv: Vec<Vec<f64>> = conf.iter().map(|c| survival(c)).collect();
-                let mut sps = vec![0.0, 100.0];
-                for r in ratios {
-                    let last = *sps.last().unwrap();
-                    sps.push(last / r);
-                }
-                let base = surv.len() + prefill;
-                (surv, base, sps)
-            })
+            .prop_map(|(conf, prefill, ratios)| instance_of(&conf, prefill, &ratios))
+    }
+
+    /// The survivals of requests with confidences `conf`, the base batch (one token each
+    /// plus `prefill`) and a decreasing SPS table (0, then 100 divided by each `ratios` in
+    /// turn).
+    pub(in crate::speculative) fn instance_of(
+        conf: &[Vec<f32>],
+        prefill: usize,
+        ratios: &[f64],
+    ) -> (Vec<Vec<f64>>, usize, Vec<f64>) {
+        let surv: Vec<Vec<f64>> = conf.iter().map(|c| survival(c)).collect();
+        let mut sps = vec![0.0, 100.0];
+        for r in ratios {
+            let last = *sps.last().unwrap();
+            sps.push(last / r);
+        }
+        let base = surv.len() + prefill;
+        (surv, base, sps)
     }
 
     #[test]

@@ -354,16 +354,7 @@ mod tests {
         let mut out: Vec<u32> = Vec::new();
         let mut last = 0u32;
         while out.len() < len {
-            let (mut ys, mut qs, mut prev) = (Vec::new(), Vec::new(), last);
-            for _ in 0..gamma {
-                let q = draft.dist(prev);
-                let y = q.sample(rng);
-                ys.push(y);
-                qs.push(q);
-                prev = y;
-            }
-            let mut rows = vec![logits(target, last)];
-            rows.extend(ys.iter().map(|&y| logits(target, y)));
+            let (ys, qs, rows) = draft_and_score(target, draft, last, gamma, rng);
             let tokens = if stale {
                 let ps: Vec<Dist> = rows
                     .iter()
@@ -386,6 +377,28 @@ mod tests {
     }
 
     /// A draft block as the engine carries it.
+    /// `gamma` draft tokens after `last` sampled from `draft`, their laws, and the target's
+    /// logits rows of the block (after `last`, then after each draft token).
+    fn draft_and_score(
+        target: &Bigram,
+        draft: &Bigram,
+        last: u32,
+        gamma: usize,
+        rng: &mut ChaCha8Rng,
+    ) -> (Vec<u32>, Vec<Dist>, Vec<Vec<f32>>) {
+        let (mut ys, mut qs, mut prev) = (Vec::new(), Vec::new(), last);
+        for _ in 0..gamma {
+            let q = draft.dist(prev);
+            let y = q.sample(rng);
+            ys.push(y);
+            qs.push(q);
+            prev = y;
+        }
+        let mut rows = vec![logits(target, last)];
+        rows.extend(ys.iter().map(|&y| logits(target, y)));
+        (ys, qs, rows)
+    }
+
     fn block(tokens: Vec<u32>, q: Vec<Dist>) -> crate::speculative::Proposal {
         crate::speculative::Proposal {
             confidence: vec![1.0; tokens.len()],
@@ -474,20 +487,6 @@ mod tests {
         fn mask(&mut self) -> anyhow::Result<crate::constraint::Mask> {
             Ok(grammar_mask(self.0.last().copied().unwrap_or(0)))
         }
-        fn walk(&mut self, draft: &[u32]) -> anyhow::Result<(Vec<crate::constraint::Mask>, usize)> {
-            let mut masks = Vec::new();
-            for (k, &t) in draft.iter().enumerate() {
-                let m = self.mask()?;
-                let ok = m.is_allowed(t);
-                masks.push(m);
-                if !ok {
-                    return Ok((masks, k));
-                }
-                self.consume(t)?;
-            }
-            masks.push(self.mask()?);
-            Ok((masks, draft.len()))
-        }
         fn rollback(&mut self, n: usize) -> anyhow::Result<()> {
             anyhow::ensure!(n <= self.0.len(), "rollback past the start");
             self.0.truncate(self.0.len() - n);
@@ -519,16 +518,7 @@ mod tests {
         let mut g = Toy::default();
         let (mut out, mut last) = (Vec::new(), 0u32);
         while out.len() < len {
-            let (mut ys, mut qs, mut prev) = (Vec::new(), Vec::new(), last);
-            for _ in 0..3 {
-                let q = draft.dist(prev);
-                let y = q.sample(rng);
-                ys.push(y);
-                qs.push(q);
-                prev = y;
-            }
-            let mut rows = vec![logits(target, last)];
-            rows.extend(ys.iter().map(|&y| logits(target, y)));
+            let (ys, qs, rows) = draft_and_score(target, draft, last, 3, rng);
             let p = block(ys, qs);
             for t in judge_block(sp, &h, rng, Some(&mut g), &p, &rows) {
                 if out.len() < len {

@@ -7,7 +7,6 @@ use dspark_engine::sampling::SamplingParams;
 use dspark_engine::server::AppState;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// The tests' usual options for `model`: CPU, a 64 MiB f16 KV cache of 16-token blocks,
 /// 1024 tokens per sequence, no drafter, no cost table, no start-up profile, quiet.
@@ -70,17 +69,10 @@ pub fn generate_all(state: &AppState, prompts: Vec<Vec<u32>>, s: &Submit) -> Vec
             state
                 .engine
                 .submit(GenRequest {
-                    prompt,
                     params: s.params.clone(),
-                    max_tokens: s.max_tokens,
-                    stop: vec![],
-                    logprobs: None,
                     ignore_eos: s.ignore_eos,
-                    events: tx,
-                    arrived: Instant::now(),
-                    span: tracing::Span::none(),
                     operation: s.operation,
-                    constraint: None,
+                    ..GenRequest::new(prompt, s.max_tokens, tx)
                 })
                 .unwrap();
             rx

@@ -34,13 +34,18 @@ pub fn client() -> reqwest::blocking::Client {
         .unwrap()
 }
 
+/// POSTs `body` as JSON: the response, unread (a stream the caller reads as it comes).
+pub fn post_response(base: &str, path: &str, body: &Value) -> reqwest::blocking::Response {
+    client()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .unwrap()
+}
+
 /// POSTs `body` as JSON: the status and the JSON answer (null when it is not JSON).
 pub fn post(base: &str, path: &str, body: Value) -> (u16, Value) {
-    let r = client()
-        .post(format!("{base}{path}"))
-        .json(&body)
-        .send()
-        .unwrap();
+    let r = post_response(base, path, &body);
     let code = r.status().as_u16();
     (code, r.json().unwrap_or(Value::Null))
 }
@@ -69,14 +74,12 @@ pub fn metrics_page(base: &str) -> String {
 
 /// SSE `data:` payloads of a streaming response.
 pub fn sse(base: &str, path: &str, body: Value) -> Vec<String> {
-    let text = client()
-        .post(format!("{base}{path}"))
-        .json(&body)
-        .send()
-        .unwrap()
-        .text()
-        .unwrap();
-    sse_data(&text)
+    sse_data(&post_response(base, path, &body).text().unwrap())
+}
+
+/// The message of an OpenAI-format error answer (`{"error": {"message": ...}}`).
+pub fn error_message(e: &Value) -> &str {
+    e["error"]["message"].as_str().unwrap()
 }
 
 /// The `data:` payloads of an SSE body.

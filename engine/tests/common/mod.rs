@@ -45,6 +45,15 @@ pub fn qwen15() -> PathBuf {
     model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 }
 
+/// The integers of a JSON array (token ids, layer indices) in a reference file, as ids.
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
 pub fn reference(model_file: &std::path::Path) -> serde_json::Value {
     reference_variant(model_file, "", "")
 }

@@ -37,18 +37,39 @@ fn sts_lowers_ece_on_overconfident_samples_and_keeps_ranking() {
     assert!(ece(&[0.5, 0.5], &[1.0, 0.0], 10) < 1e-12);
 }
 
+/// `n` synthetic blocks of `k` positions (generator seeded with `seed`), each from latent
+/// values `u` uniform in `range`: `label` gives a block's head logits, greedy acceptances
+/// and soft labels from its `u`, drawing from the same generator.
+fn synthetic(
+    seed: u64,
+    n: usize,
+    k: usize,
+    range: std::ops::Range<f64>,
+    label: impl Fn(&[f64], &mut ChaCha8Rng) -> (Vec<f32>, Vec<bool>, Vec<f32>),
+) -> Samples {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut s = Samples::default();
+    for _ in 0..n {
+        let u: Vec<f64> = (0..k).map(|_| rng.random_range(range.clone())).collect();
+        let (z, ok, soft) = label(&u, &mut rng);
+        s.z.push(z);
+        s.ok.push(ok);
+        s.soft.push(soft);
+    }
+    s
+}
+
 #[test]
 fn sts_in_sampled_mode_fits_the_expected_survival() {
     // Soft labels c*_k = sigmoid(u); the head says sigmoid(3u) (over-confident) and the
     // greedy labels are all "accepted", so only the sampled fit can be right.
-    let mut rng = ChaCha8Rng::seed_from_u64(9);
-    let mut s = Samples::default();
-    for _ in 0..3000 {
-        let u: Vec<f64> = (0..4).map(|_| rng.random_range(-1.5..2.5)).collect();
-        s.z.push(u.iter().map(|&u| (3.0 * u) as f32).collect());
-        s.soft.push(u.iter().map(|&u| sigmoid(u) as f32).collect());
-        s.ok.push(vec![true; 4]);
-    }
+    let s = synthetic(9, 3000, 4, -1.5..2.5, |u, _| {
+        (
+            u.iter().map(|&u| (3.0 * u) as f32).collect(),
+            vec![true; 4],
+            u.iter().map(|&u| sigmoid(u) as f32).collect(),
+        )
+    });
     let r = fit_sts(&s, Mode::Sampled).unwrap();
     assert_eq!(r.mode, Mode::Sampled);
     assert!(r.ece_all_after < 0.3 * r.ece_all_before, "{r:?}");
@@ -64,18 +85,15 @@ fn sts_in_sampled_mode_fits_the_expected_survival() {
 fn greedy_sts_removes_a_bias_that_temperature_cannot() {
     // Greedy acceptance is sigmoid(u + 1) while the head says sigmoid(u): under-confident by
     // a constant logit margin, at every confidence level.
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let mut s = Samples::default();
-    for _ in 0..4000 {
-        let u: Vec<f64> = (0..3).map(|_| rng.random_range(-2.5..1.5)).collect();
-        s.z.push(u.iter().map(|&u| u as f32).collect());
-        s.ok.push(
+    let s = synthetic(11, 4000, 3, -2.5..1.5, |u, rng| {
+        (
+            u.iter().map(|&u| u as f32).collect(),
             u.iter()
                 .map(|&u| rng.random::<f64>() < sigmoid(u + 1.0))
                 .collect(),
-        );
-        s.soft.push(vec![0.5; 3]);
-    }
+            vec![0.5; 3],
+        )
+    });
     let r = fit_sts(&s, Mode::Greedy).unwrap();
     assert!(r.ece_after[0] < 0.4 * r.ece_before[0], "{r:?}");
     assert!((0.6..1.4).contains(&r.offsets[0]), "offset near +1: {r:?}");

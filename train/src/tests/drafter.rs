@@ -164,25 +164,10 @@ fn gradients_match_finite_differences() {
     let vm = VocabMap::new(&td.cfg);
     let s = &ds.seqs[0];
     let anchors = [6usize, 11, 15];
-    let feats = s
-        .feats
-        .narrow(0, 0, 15)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap();
     let t = targets(s, &anchors, GAMMA, TOPK, &vm, &Device::Cpu).unwrap();
     let lcfg = LossConfig::default();
     let loss = |td: &TrainDrafter| -> Tensor {
-        let out = td
-            .forward(
-                &target,
-                &Blocks {
-                    feats: &feats,
-                    tokens: &s.tokens,
-                    anchors: &anchors,
-                },
-            )
-            .unwrap();
+        let out = td.forward_seq(&target, s, &anchors).unwrap();
         dspark_loss(&out, &t, GAMMA, &lcfg).unwrap().total
     };
     let grads = loss(&td).backward().unwrap();

@@ -13,7 +13,6 @@ use crate::model::{Blocks, TrainDrafter};
 use crate::*;
 use candle_core::{Device, Var};
 use dspark_engine::kv::KvCache;
-use dspark_engine::model::SeqBatch;
 use dspark_engine::sampling::SamplingParams;
 use dspark_engine::speculative::dspark::DraftRequest;
 
@@ -32,20 +31,9 @@ fn small_config(target: &Model, head: HeadKind, draft_vocab: Option<Vec<u32>>) -
 /// Target hidden states of `layers` (concatenated) and logits for every position of `tokens`.
 fn target_pass(target: &Model, tokens: &[u32], layers: &[usize]) -> (Tensor, Vec<Vec<f32>>) {
     let bytes = (tokens.len() + 32) * KvCache::bytes_per_token(LAYERS, target.cfg.kv_dim());
-    let mut kv = KvCache::new(LAYERS, target.cfg.kv_dim(), bytes, 16, &Device::Cpu).unwrap();
-    let mut table = Vec::new();
-    assert!(kv.ensure(&mut table, tokens.len()));
+    let mut kv = target.kv_cache(bytes, 16).unwrap();
     let out = target
-        .forward(
-            &[SeqBatch {
-                tokens: tokens.to_vec(),
-                start_pos: 0,
-                block_table: table,
-                num_logits: tokens.len(),
-            }],
-            &mut kv,
-            layers,
-        )
+        .forward_fresh(tokens, &mut kv, tokens.len(), layers)
         .unwrap();
     let feats = if out.hidden.is_empty() {
         Tensor::zeros((tokens.len(), 0), DType::F32, &Device::Cpu).unwrap()

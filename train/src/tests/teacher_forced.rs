@@ -41,14 +41,7 @@ fn teacher_forced_text_keeps_every_position() {
     assert_eq!(s.feats.dims(), &[fed.len(), 2 * model.cfg.hidden_size]);
     assert_eq!(s.topk_ids.len(), fed.len() * TOPK);
     assert_eq!(s.anchor_range(GAMMA), Some(1..=fed.len() - GAMMA));
-    let mut kv = KvCache::new(
-        model.cfg.num_layers,
-        model.cfg.kv_dim(),
-        64 << 20,
-        16,
-        &Device::Cpu,
-    )
-    .unwrap();
+    let mut kv = model.kv_cache(64 << 20, 16).unwrap();
     let logits = model.logits_for(&fed, &mut kv).unwrap();
     for (t, row) in logits.iter().enumerate() {
         assert_eq!(

@@ -14,22 +14,7 @@ fn a_few_steps_reduce_the_loss_and_resume_exactly() {
         let mut tot = 0.0;
         for s in &ds.seqs {
             let anchors = [8usize, 16, 24, 30];
-            let feats = s
-                .feats
-                .narrow(0, 0, 30)
-                .unwrap()
-                .to_dtype(DType::F32)
-                .unwrap();
-            let out = td
-                .forward(
-                    &target,
-                    &Blocks {
-                        feats: &feats,
-                        tokens: &s.tokens,
-                        anchors: &anchors,
-                    },
-                )
-                .unwrap();
+            let out = td.forward_seq(&target, s, &anchors).unwrap();
             let t = targets(s, &anchors, GAMMA, TOPK, &vm, &Device::Cpu).unwrap();
             tot += dspark_loss(&out, &t, GAMMA, &LossConfig::default())
                 .unwrap()

@@ -52,25 +52,23 @@ fn one_sequence_fails(site: FaultSite, failing: u64, after: usize, json: bool) {
     assert_all_free(&e);
 }
 
-#[test]
-fn a_sampling_failure_fails_its_request_only() {
-    one_sequence_fails(FaultSite::Sampling, 2, 3, false);
+/// One test per case: `name: site, failing, after, json` runs [`one_sequence_fails`].
+macro_rules! one_sequence_fails_tests {
+    ($($(#[$doc:meta])* $name:ident: $site:ident, $failing:expr, $after:expr, $json:expr;)*) => {$(
+        $(#[$doc])*
+        #[test]
+        fn $name() {
+            one_sequence_fails(FaultSite::$site, $failing, $after, $json);
+        }
+    )*};
 }
 
-#[test]
-fn a_drafter_failure_fails_its_request_only() {
-    one_sequence_fails(FaultSite::Drafter, 3, 5, false);
-}
-
-#[test]
-fn a_grammar_failure_fails_its_request_only() {
-    one_sequence_fails(FaultSite::Grammar, 2, 2, true);
-}
-
-/// A failure in the prefill (before any logits) is the sequence's own too.
-#[test]
-fn a_failure_in_prefill_fails_its_request_only() {
-    one_sequence_fails(FaultSite::Drafter, 1, 0, false);
+one_sequence_fails_tests! {
+    a_sampling_failure_fails_its_request_only: Sampling, 2, 3, false;
+    a_drafter_failure_fails_its_request_only: Drafter, 3, 5, false;
+    a_grammar_failure_fails_its_request_only: Grammar, 2, 2, true;
+    /// A failure in the prefill (before any logits) is the sequence's own too.
+    a_failure_in_prefill_fails_its_request_only: Drafter, 1, 0, false;
 }
 
 /// A panic in the step ends the engine thread cleanly: every request in flight gets an
@@ -103,19 +101,7 @@ fn a_panicking_step_fails_every_request_and_the_handle() {
 /// A request submitted after the engine died.
 fn late_request(tok: &TextTokenizer) -> GenRequest {
     let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-    GenRequest {
-        prompt: tok.encode("Hi", tok.add_bos).unwrap(),
-        params: Default::default(),
-        max_tokens: 2,
-        stop: vec![],
-        logprobs: None,
-        ignore_eos: false,
-        events: tx,
-        arrived: std::time::Instant::now(),
-        span: tracing::Span::none(),
-        operation: "text_completion",
-        constraint: None,
-    }
+    GenRequest::new(tok.encode("Hi", tok.add_bos).unwrap(), 2, tx)
 }
 
 /// A loop that makes no progress while a request waits is reported stalled (the server

@@ -8,6 +8,7 @@ mod faults;
 use super::*;
 use crate::constraint::{GrammarSpec, Grammars, JsonStyle};
 use crate::speculative::{Speculation, VerifyPolicy};
+use crate::testutil::shipped_drafter;
 use std::path::PathBuf;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -27,11 +28,6 @@ fn smollm2() -> PathBuf {
         p.display()
     );
     p
-}
-
-/// The shipped drafter of the default model.
-fn shipped_drafter() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../drafters/smollm2-135m-dspark-markov")
 }
 
 /// An engine on the default model with `cfg`, its shipped drafter when `cfg` speculates with
@@ -103,20 +99,13 @@ fn submit(
             .unwrap()
     });
     h.submit(GenRequest {
-        prompt: tok.encode(prompt, tok.add_bos).unwrap(),
         params: crate::sampling::SamplingParams {
             temperature: 0.0,
             ..Default::default()
         },
-        max_tokens,
-        stop: vec![],
-        logprobs: None,
         ignore_eos: true,
-        events: tx,
-        arrived: std::time::Instant::now(),
-        span: tracing::Span::none(),
-        operation: "text_completion",
         constraint,
+        ..GenRequest::new(tok.encode(prompt, tok.add_bos).unwrap(), max_tokens, tx)
     })
     .unwrap();
     rx

@@ -3,21 +3,8 @@
 
 use super::work::Work;
 use super::*;
+use crate::testutil::causal_attention;
 use candle_core::{Device, Tensor};
-
-/// A causal op over `seqs` (scale 0.125, no window).
-fn causal(seqs: Vec<AttnSeq>, nh: usize, nkv: usize, hd: usize, bs: usize) -> PagedAttention {
-    PagedAttention {
-        seqs: std::sync::Arc::new(AttnBatch::new(seqs)),
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
-        block_size: bs,
-        scale: 0.125,
-        window: None,
-        causal: true,
-    }
-}
 
 /// `hd` 16: scalar loops; 64: the SIMD ones (3 query heads per kv head).
 fn check(causal: bool, window: Option<usize>) {
@@ -137,7 +124,7 @@ fn long_context_verify_block_matches_reference() {
         },
     ];
     let q = Tensor::randn(0f32, 1.0, (5, nh, hd), &dev).unwrap();
-    let op = causal(seqs, nh, nkv, hd, bs);
+    let op = causal_attention(seqs, nh, nkv, hd, bs);
     for dt in [candle_core::DType::F32, candle_core::DType::F16] {
         let (k, v) = (kc.to_dtype(dt).unwrap(), vc.to_dtype(dt).unwrap());
         let a = op.forward(&q, &k, &v).unwrap();
@@ -156,7 +143,7 @@ fn work_is_cut_until_every_thread_has_tasks() {
         kv_len,
         block_table: vec![0; 128],
     };
-    let op = |seqs| causal(seqs, 9, 3, 64, 16);
+    let op = |seqs| causal_attention(seqs, 9, 3, 64, 16);
     let shape = |w: &Work| {
         w.chunks
             .iter()
@@ -202,7 +189,7 @@ fn a_rows_result_does_not_depend_on_its_batch() {
         kv_len: 1100,
         block_table: table(0, 69),
     };
-    let op = |seqs| causal(seqs, nh, nkv, hd, bs);
+    let op = |seqs| causal_attention(seqs, nh, nkv, hd, bs);
     let q = Tensor::randn(0f32, 1.0, (12, nh, hd), &dev).unwrap();
     for dt in [candle_core::DType::F32, candle_core::DType::F16] {
         let (k, v) = (kc.to_dtype(dt).unwrap(), vc.to_dtype(dt).unwrap());

@@ -304,30 +304,44 @@ pub(super) fn check_sts(
     block_size: usize,
     temps: Option<&[f32]>,
 ) -> std::result::Result<(), String> {
-    match temps {
-        Some(t) if t.len() != block_size => Err(format!(
-            "sts_temperatures has {} entries, expected block_size = {block_size}",
-            t.len()
-        )),
-        Some(t) if t.iter().any(|x| !x.is_finite() || *x <= 0.0) => Err(format!(
-            "sts_temperatures {t:?} must be positive and finite"
-        )),
-        _ => Ok(()),
-    }
+    let valid = |x: f32| x.is_finite() && x > 0.0;
+    check_per_position(
+        block_size,
+        temps,
+        ("sts_temperatures", "has"),
+        valid,
+        "positive and finite",
+    )
 }
 
 pub(super) fn check_offsets(
     block_size: usize,
     offsets: Option<&[f32]>,
 ) -> std::result::Result<(), String> {
-    match offsets {
-        Some(b) if b.len() != block_size => Err(format!(
-            "sts offsets have {} entries, expected block_size = {block_size}",
-            b.len()
+    check_per_position(
+        block_size,
+        offsets,
+        ("sts offsets", "have"),
+        f32::is_finite,
+        "finite",
+    )
+}
+
+/// Per-position values (if any): one per block position, each `valid`. `(what, has)` say what
+/// they are and its verb ("sts offsets", "have"), `must` what `valid` wants.
+fn check_per_position(
+    block_size: usize,
+    values: Option<&[f32]>,
+    (what, has): (&str, &str),
+    valid: impl Fn(f32) -> bool,
+    must: &str,
+) -> std::result::Result<(), String> {
+    match values {
+        Some(v) if v.len() != block_size => Err(format!(
+            "{what} {has} {} entries, expected block_size = {block_size}",
+            v.len()
         )),
-        Some(b) if b.iter().any(|x| !x.is_finite()) => {
-            Err(format!("sts offsets {b:?} must be finite"))
-        }
+        Some(v) if !v.iter().all(|&x| valid(x)) => Err(format!("{what} {v:?} must be {must}")),
         _ => Ok(()),
     }
 }

@@ -138,13 +138,20 @@ fn backbone_matches_dense(context_input: bool) {
     );
 }
 
+/// Markov drafters of `target` without and with context input.
+fn markov_drafters(target: &Model) -> [(bool, DSparkDrafter); 2] {
+    [false, true].map(|context_input| {
+        let d = drafter(target, HeadKind::Markov, |c| {
+            c.context_input = context_input
+        });
+        (context_input, d)
+    })
+}
+
 #[test]
 fn context_in_chunks_equals_context_at_once() {
     let target = tiny_target();
-    for context_input in [false, true] {
-        let d = drafter(&target, HeadKind::Markov, |c| {
-            c.context_input = context_input
-        });
+    for (_, d) in markov_drafters(&target) {
         let (mut k1, mut k2) = (cache(&d), cache(&d));
         let once = prime(&target, &d, &mut k1, 4, 17, GAMMA, 64);
         let chunked = prime(&target, &d, &mut k2, 4, 17, GAMMA, 5);
@@ -159,10 +166,7 @@ fn contexts_fed_together_equal_each_fed_alone() {
     // The engine feeds every drafting sequence's backlog in one `append_contexts` pass:
     // rows of different sequences (and an empty feed) must not mix.
     let target = tiny_target();
-    for context_input in [false, true] {
-        let d = drafter(&target, HeadKind::Markov, |c| {
-            c.context_input = context_input
-        });
+    for (context_input, d) in markov_drafters(&target) {
         let (mut alone_kv, mut together_kv) = (cache(&d), cache(&d));
         let lens = [(1u64, 9usize), (2, 1), (3, 20)];
         let alone: Vec<Seq> = lens

@@ -88,10 +88,7 @@ fn greedy_requests_use_the_greedy_calibration() {
     let mut d = drafter(&target, HeadKind::Markov, |_| {});
     let mut kv = cache(&d);
     let s = prime(&target, &d, &mut kv, 3, 12, GAMMA, 64);
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
+    let greedy = greedy();
     let raw_g = draft(&d, &target, &mut kv, &[&s], &greedy, 1).remove(0);
     let raw_s = draft(&d, &target, &mut kv, &[&s], &sampled(), 1).remove(0);
     let logit = |c: f32| (c / (1.0 - c)).ln();
@@ -152,10 +149,7 @@ fn reduced_draft_vocab_gives_zero_q_outside_it() {
     for &i in &vocab {
         assert!((pr[i as usize] - pf[i as usize] / mass).abs() < 1e-5);
     }
-    let greedy = SamplingParams {
-        temperature: 0.0,
-        ..Default::default()
-    };
+    let greedy = greedy();
     let g = draft(&markov, &target, &mut km, &[&sm], &greedy, 4).remove(0);
     for (t, q) in g.tokens.iter().zip(&g.q) {
         assert!(vocab.contains(t));
@@ -170,10 +164,7 @@ fn greedy_params_give_deterministic_tokens() {
         let d = drafter(&target, head, |c| c.mask_token_id = 0);
         let mut kv = cache(&d);
         let s = prime(&target, &d, &mut kv, 7, 11, GAMMA, 64);
-        let greedy = SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        };
+        let greedy = greedy();
         let a = draft(&d, &target, &mut kv, &[&s], &greedy, 1).remove(0);
         let b = draft(&d, &target, &mut kv, &[&s], &greedy, 2).remove(0);
         assert_blocks_close(&a, &b, 0.0);
@@ -210,8 +201,7 @@ fn invalid_requests_are_clear_errors() {
     assert!(try_draft(&mut kv, 0, &s.table).contains("gamma 0"));
     assert!(try_draft(&mut kv, GAMMA + 1, &s.table).contains("block_size"));
     assert!(try_draft(&mut kv, GAMMA, &s.table[..1]).contains("does not cover"));
-    let mut target_kv =
-        KvCache::new(LAYERS, target.cfg.kv_dim(), 1 << 20, 4, &Device::Cpu).unwrap();
+    let mut target_kv = target.kv_cache(1 << 20, 4).unwrap();
     assert!(try_draft(&mut target_kv, GAMMA, &s.table).contains("new_cache"));
     // A context-input drafter needs the last context feature.
     let d = drafter(&target, HeadKind::Markov, |c| c.context_input = true);

@@ -63,17 +63,9 @@ fn prompt(id: u64, len: usize) -> Vec<u32> {
 }
 
 fn target_hidden(target: &Model, d: &DSparkDrafter, tokens: &[u32]) -> Vec<Tensor> {
-    let mut tkv = KvCache::new(LAYERS, target.cfg.kv_dim(), 1 << 20, 16, &Device::Cpu).unwrap();
-    let mut table = Vec::new();
-    assert!(tkv.ensure(&mut table, tokens.len()));
-    let batch = SeqBatch {
-        tokens: tokens.to_vec(),
-        start_pos: 0,
-        block_table: table,
-        num_logits: 0,
-    };
+    let mut tkv = target.kv_cache(1 << 20, 16).unwrap();
     target
-        .forward(&[batch], &mut tkv, d.target_layers())
+        .forward_fresh(tokens, &mut tkv, 0, d.target_layers())
         .unwrap()
         .hidden
 }
@@ -141,6 +133,13 @@ fn draft(
         );
     }
     blocks
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
 }
 
 fn sampled() -> SamplingParams {

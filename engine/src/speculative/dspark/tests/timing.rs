@@ -24,14 +24,7 @@ fn propose_timing_smollm2() {
         let vd = cfg.draft_vocab_size();
         let d = DSparkDrafter::random(&target, cfg, 1).unwrap();
         let mut kv = d.new_cache(64 << 20, 16, &Device::Cpu).unwrap();
-        let mut tkv = KvCache::new(
-            target.cfg.num_layers,
-            target.cfg.kv_dim(),
-            64 << 20,
-            16,
-            &Device::Cpu,
-        )
-        .unwrap();
+        let mut tkv = target.kv_cache(64 << 20, 16).unwrap();
         let seqs: Vec<Seq> = (0..8u64)
             .map(|id| {
                 let tokens: Vec<u32> = prompt(id, 64).iter().map(|t| t * 97 % 40_000).collect();
@@ -62,16 +55,7 @@ fn propose_timing_smollm2() {
                 }
             })
             .collect();
-        for (name, params) in [
-            (
-                "greedy",
-                SamplingParams {
-                    temperature: 0.0,
-                    ..Default::default()
-                },
-            ),
-            ("T=1", sampled()),
-        ] {
+        for (name, params) in [("greedy", greedy()), ("T=1", sampled())] {
             for b in [1usize, 8] {
                 let batch: Vec<&Seq> = seqs.iter().take(b).collect();
                 draft(&d, &target, &mut kv, &batch, &params, 0);
