@@ -6,8 +6,15 @@ use dspark_types::contract::metrics::{family_of, operator, ENGINE};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+/// The checkout under test: `cargo test` sets CARGO_MANIFEST_DIR when it runs the binary (a
+/// build cache shared by checkouts at different paths can hand this one a binary compiled
+/// in another, whose compile-time value names that other checkout).
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    let dir = std::env::var_os("CARGO_MANIFEST_DIR");
+    let dir = dir
+        .as_deref()
+        .unwrap_or(env!("CARGO_MANIFEST_DIR").as_ref());
+    Path::new(dir).join("..")
 }
 
 /// Files under `dir` (relative to the repository root) ending in `ext`.
