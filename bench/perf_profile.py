@@ -71,7 +71,8 @@ def main() -> int:
     ap.add_argument("--bin", default=None, help="dspark-engine binary (default: policy_sweep's)")
     ap.add_argument("--speculation", default="dspark-markov")
     ap.add_argument("--drafter")
-    ap.add_argument("--cost-table", required=True, help="the SPS(B) table the server plans with")
+    ap.add_argument("--cost-table", help="the SPS(B) table the server plans with (needed by the "
+                    "dspark policy; the engine's own profile at start-up when absent)")
     ap.add_argument("--policies", default="none,dspark")
     ap.add_argument("--gamma-max", type=int, default=7)
     ap.add_argument("--concurrency", default="1,64")
@@ -94,7 +95,8 @@ def main() -> int:
         label, pargs = policy_args(spec, args.gamma_max, args.speculation)
         for level in [int(c) for c in args.concurrency.split(",")]:
             tag = f"{spec.replace(':', '-')}-c{level}"
-            extra = ["--cost-table", args.cost_table, "--max-running", str(max(64, level)), *pargs]
+            table = ["--cost-table", args.cost_table] if args.cost_table else []
+            extra = [*table, "--max-running", str(max(64, level)), *pargs]
             if args.drafter and spec != "none":
                 extra += ["--drafter", args.drafter]
             proc, port = start_engine(args.bin, args.model, extra, out / f"serve-{tag}.log")
