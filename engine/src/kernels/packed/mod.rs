@@ -292,7 +292,7 @@ impl Packed {
             assert_eq!(acts.len(), m * nb, "activation blocks");
             assert!(self.ty != QType::Q4K || mp.len() == m * nb, "min pairs");
             let gb = self.group_bytes();
-            let pf = prefetch_distance();
+            let pf = kquant_prefetch_distance();
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(max_rows(self.isa));
@@ -379,8 +379,9 @@ pub fn max_rows(isa: Isa) -> usize {
     }
 }
 
-/// Bytes ahead of the block being multiplied that the kernels prefetch: 2 KiB by default,
-/// `DSPARK_KERNEL_PREFETCH=BYTES` to change it (0: none).
+/// Bytes ahead of the block being multiplied that the 32-block kernels prefetch: 2 KiB by
+/// default, `DSPARK_KERNEL_PREFETCH=BYTES` to change it (0: none; K-quants: see
+/// [`KQUANT_PREFETCH_DEFAULT`]).
 ///
 /// A decode step streams the whole model once; the hardware prefetchers stop at every 4 KiB
 /// page and restart only after a few misses, and each chunk of a matmul starts a new stream,
@@ -390,12 +391,26 @@ pub const PREFETCH_DEFAULT: usize = 2048;
 
 fn prefetch_distance() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| {
-        std::env::var("DSPARK_KERNEL_PREFETCH")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(PREFETCH_DEFAULT)
-    })
+    *PF.get_or_init(|| env_bytes("DSPARK_KERNEL_PREFETCH", PREFETCH_DEFAULT))
+}
+
+/// The K-quant kernels' prefetch distance: none by default, `DSPARK_KQUANT_PREFETCH=BYTES`
+/// to change it. A packed K-quant group is one contiguous run of super-blocks (14-83 KB on
+/// Qwen2.5-1.5B) on 2 MiB pages, which the hardware prefetchers follow by themselves: on the
+/// 1.5B's one-row decode step, 2 KiB of software prefetch ran 18.7 steps/s and none 20.5
+/// (docs/benchmarks.md, session 37).
+pub const KQUANT_PREFETCH_DEFAULT: usize = 0;
+
+fn kquant_prefetch_distance() -> usize {
+    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PF.get_or_init(|| env_bytes("DSPARK_KQUANT_PREFETCH", KQUANT_PREFETCH_DEFAULT))
+}
+
+fn env_bytes(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Prefetches the `len` bytes `dist` bytes after `at` into L1 (nothing when `dist` is 0).
