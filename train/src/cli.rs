@@ -111,6 +111,11 @@ pub struct TrainArgs {
     /// strongest --intermediate MLP neurons) instead of random weights.
     #[arg(long)]
     pub init_from_target: bool,
+    /// Train W1 compact from the start (the draft vocabulary's rows + one shared row for every
+    /// other previous token, as `dspark-engine convert --compact-w1` makes it): on a 151,936-token
+    /// target the full W1 is 39M of the drafter's parameters, updated by AdamW every step.
+    #[arg(long)]
+    pub compact_w1: bool,
     #[command(flatten)]
     pub compute: loader::ComputeArgs,
 }
@@ -261,6 +266,7 @@ pub fn run_train(a: TrainArgs) -> Result<()> {
         context_input: a.context_input,
         intermediate: a.intermediate,
         init_from_target: a.init_from_target,
+        compact_w1: a.compact_w1,
     };
     let pb = bar(
         tc.steps as u64,

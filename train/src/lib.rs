@@ -75,6 +75,9 @@ pub struct TrainConfig {
     /// Start every drafter layer from the target's last layer ([`init_from_target`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub init_from_target: bool,
+    /// Train W1 compact ([`DSparkConfig::compact_w1`]; needs a draft vocabulary).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compact_w1: bool,
 }
 
 fn is_zero(v: &usize) -> bool {
@@ -182,6 +185,7 @@ pub fn new_config(target: &Model, ds: &Dataset, tc: &TrainConfig) -> DSparkConfi
     }
     if tc.draft_vocab > 0 && tc.draft_vocab < target.cfg.vocab_size {
         cfg.draft_vocab = Some(ds.draft_vocab(tc.draft_vocab));
+        cfg.compact_w1 = tc.compact_w1 && tc.head != HeadKind::Parallel;
     }
     cfg
 }

@@ -217,3 +217,33 @@ fn gradients_match_finite_differences() {
     }
     assert_eq!(checked, 9);
 }
+
+#[test]
+fn frozen_side_linear_matches_matmul_gradients() {
+    // `lin_frozen` must give the tracked operand exactly the gradient candle's matmul gives
+    // it, and the frozen operand none (that skipped product is what it saves).
+    use crate::model::{lin_frozen, Frozen2};
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 7), &dev).unwrap()).unwrap();
+    let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 7), &dev).unwrap()).unwrap();
+    let probe = Tensor::randn(0f32, 1.0, (5, 3), &dev).unwrap();
+    let plain = (x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap() * &probe)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    let g = plain.backward().unwrap();
+    for (side, tracked, frozen) in [(Frozen2::Input, &w, &x), (Frozen2::Weight, &x, &w)] {
+        let y = lin_frozen(x.as_tensor(), w.as_tensor(), side).unwrap();
+        let want = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+        let diff = (&y - &want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5, "{side:?} forward");
+        let gl = (y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let (a, b) = (gl.get(tracked).unwrap(), g.get(tracked).unwrap());
+        let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-5, "{side:?} gradient");
+        assert!(
+            gl.get(frozen).is_none(),
+            "{side:?}: the frozen side got a gradient"
+        );
+    }
+}

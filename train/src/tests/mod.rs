@@ -119,5 +119,6 @@ fn train_config(head: HeadKind, steps: usize) -> TrainConfig {
         context_input: false,
         intermediate: 0,
         init_from_target: false,
+        compact_w1: false,
     }
 }

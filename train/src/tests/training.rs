@@ -177,3 +177,26 @@ fn joined_datasets_split_each_part_alone_and_must_fit_together() {
         std::fs::remove_dir_all(d).ok();
     }
 }
+
+#[test]
+fn compact_w1_trains_and_serves_in_that_form() {
+    // `--compact-w1`: W1 holds the draft vocabulary's rows + one shared row from step 0, the
+    // loss still falls, and the serving checkpoint loads with the same compact table.
+    let target = tiny_target();
+    let layers = dspark_engine::speculative::dspark::default_target_layers(LAYERS, 3);
+    let ds = synthetic_dataset(&target, &layers, 6, 40);
+    let tc = TrainConfig {
+        compact_w1: true,
+        ..train_config(HeadKind::Markov, 30)
+    };
+    let dir = scratch_dir("run-compact");
+    let st = train(&target, &ds, &tc, &dir, 100, &mut |_| {}).unwrap();
+    let (first, last) = (st.log.first().unwrap().2, st.log.last().unwrap().2);
+    assert!(last < first * 0.95, "ce {first} -> {last}");
+    let d = DSparkDrafter::load(&dir, &target).unwrap();
+    assert!(d.config().compact_w1);
+    assert_eq!(
+        d.tensors()[dspark_engine::speculative::dspark::W1].dims(),
+        &[tc.draft_vocab + 1, tc.rank]
+    );
+}
