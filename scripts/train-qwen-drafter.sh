@@ -13,9 +13,10 @@
 # checkpoint (every 25 steps), so the script can be stopped and re-run (niced) at will.
 #
 # Usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]
-# Env: STEPS (default 1200), SEQS (4), ANCHORS (32), LR (1e-3), GEN_BATCH (32),
+# Env: STEPS (default 2400), SEQS (4), ANCHORS (24), LR (1.5e-3), GEN_BATCH (32),
 #      DSPARK_TRAIN_BIN (default: the workspace's release dspark-train).
-# Wall time on 2 Zen 4 cores: data ~20 min, training ~3.5 s per step (docs/benchmarks.md).
+# Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, session 38): data 98 min
+# (159,067 tokens; the ggml-layout AVX2 kernels), training 2.8 s per step of 96 blocks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${1:?usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]}"
@@ -23,7 +24,7 @@ OUT="${2:-drafters/qwen2.5-coder-1.5b-dspark-markov}"
 CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
 BIN="${DSPARK_TRAIN_BIN:-${CARGO_TARGET_DIR:-$CACHE/cargo-target}/release/dspark-train}"
 M="$CACHE/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-STEPS="${STEPS:-1200}"; SEQS="${SEQS:-4}"; ANCHORS="${ANCHORS:-32}"; LR="${LR:-1e-3}"
+STEPS="${STEPS:-2400}"; SEQS="${SEQS:-4}"; ANCHORS="${ANCHORS:-24}"; LR="${LR:-1.5e-3}"
 mkdir -p "$WORK"
 [ -s "$M" ] || scripts/fetch-models.sh qwen >/dev/null
 
