@@ -308,9 +308,10 @@ proptest! {
         check(ty, m, n, kb * ty.block_size(), seed);
     }
 
+    /// Shapes whose rows pack (16 rows per group fit both ISAs' groups), K-quants included.
     #[test]
-    fn random_packable_shapes(t in 0usize..3, m in 1usize..24, g in 1usize..12, kb in 1usize..20, seed in 0u64..1000) {
-        let ty = [QType::Q4_0, QType::Q4_1, QType::Q8_0][t];
-        check(ty, m, 8 * g, kb * ty.block_size(), seed);
+    fn random_packable_shapes(t in 0usize..5, m in 1usize..24, g in 1usize..8, kb in 1usize..12, seed in 0u64..1000) {
+        let ty = [QType::Q4_0, QType::Q4_1, QType::Q8_0, QType::Q4K, QType::Q6K][t];
+        check(ty, m, 16 * g, kb * ty.block_size(), seed);
     }
 }

@@ -1,6 +1,6 @@
 //! Weights repacked for SIMD kernels that keep one output row per 32-bit lane (Q4_0, Q4_1,
-//! Q8_0: 8 rows per group for AVX2, 16 for AVX-512 VNNI; the K-quants Q4_K and Q6_K: 16 rows
-//! for AVX-512 VNNI, [`kquant`]).
+//! Q8_0 and, in [`kquant`], the K-quants Q4_K and Q6_K: 8 rows per group for AVX2, 16 for
+//! AVX-512 VNNI).
 //!
 //! The ggml layout keeps each row's blocks together, so an x86 dot product reduces 32 lanes
 //! of one block to one number per block, per input row (`maddubs`, `madd`, a float convert,
@@ -32,7 +32,7 @@
 //!
 //! - [`avx2`]: 8 lanes, AVX2 + FMA + F16C.
 //! - [`avx512`]: 16 lanes, AVX-512 F/BW/VL/VNNI.
-//! - [`kquant`]: Q4_K / Q6_K super-blocks, 16 lanes, AVX-512 F/BW/VL/VNNI.
+//! - [`kquant`]: Q4_K / Q6_K super-blocks, 16 lanes for AVX-512 F/BW/VL/VNNI, 8 for AVX2.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -172,7 +172,7 @@ impl Packed {
         };
         let kquant = matches!(ty, QType::Q4K | QType::Q6K);
         (matches!(ty, QType::Q4_0 | QType::Q4_1 | QType::Q8_0)
-            || (kquant && isa == Isa::Avx512Vnni && k.is_multiple_of(QK_K)))
+            || (kquant && k.is_multiple_of(QK_K)))
             && n.is_multiple_of(lanes)
             && n > 0
             && k.is_multiple_of(QK)
@@ -188,10 +188,10 @@ impl Packed {
         let m = super::QMatrix::new(ty, n, k, data)?;
         if matches!(ty, QType::Q4K | QType::Q6K) {
             let nb = k / QK_K;
-            let bb = kquant::block_bytes(ty);
+            let bb = kquant::block_bytes(ty, lanes);
             let mut out = Aligned::zeroed(n / lanes * nb * bb);
             for (i, dst) in out.chunks_mut(bb).enumerate() {
-                kquant::pack_block(ty, m.data, nb, i / nb, i % nb, dst);
+                kquant::pack_block(ty, lanes, m.data, nb, i / nb, i % nb, dst);
             }
             return Ok(Self {
                 ty,
@@ -255,7 +255,7 @@ impl Packed {
     /// Bytes of one group of `lanes` rows.
     fn group_bytes(&self) -> usize {
         match self.ty {
-            QType::Q4K | QType::Q6K => self.k / QK_K * kquant::block_bytes(self.ty),
+            QType::Q4K | QType::Q6K => self.k / QK_K * kquant::block_bytes(self.ty, self.lanes()),
             _ => self.k / QK * block_bytes(self.ty, self.lanes()),
         }
     }
@@ -281,18 +281,18 @@ impl Packed {
         j1: usize,
         out: *mut f32,
     ) {
-        // SAFETY: as in `run`: the ISA (AVX-512 VNNI, the only one K-quants pack for) runs
-        // here, columns `j0..j1` of `out` are ours, `acts` (and `mp`, one entry per block)
-        // hold `m * nb` blocks, and each kernel call reads `rows` activation rows and one
-        // packed group and writes `rows` output rows of 16 columns inside that range.
+        // SAFETY: as in `run`: the ISA runs here, columns `j0..j1` of `out` are ours, `acts`
+        // (and `mp`, one entry per block) hold `m * nb` blocks, and each kernel call reads
+        // `rows` activation rows and one packed group and writes `rows` output rows of
+        // `lanes` columns inside that range.
         unsafe {
-            debug_assert!(self.is_kquant() && self.isa == Isa::Avx512Vnni);
+            debug_assert!(self.is_kquant());
             let lanes = self.lanes();
             let nb = self.k / QK_K;
             assert_eq!(acts.len(), m * nb, "activation blocks");
             assert!(self.ty != QType::Q4K || mp.len() == m * nb, "min pairs");
             let gb = self.group_bytes();
-            let pf = kquant_prefetch_distance();
+            let pf = kquant_prefetch_distance(self.isa);
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(max_rows(self.isa));
@@ -301,13 +301,19 @@ impl Packed {
                 for g in j0 / lanes..j1 / lanes {
                     let w = &self.data[g * gb..(g + 1) * gb];
                     let o = out.add(r0 * self.n + g * lanes);
-                    use kquant::avx512::{group_q4k, group_q6k};
                     macro_rules! go {
                         ($r:literal) => {
-                            if self.ty == QType::Q4K {
-                                group_q4k::<$r>(w, nb, a, mpr, o, self.n, pf)
-                            } else {
-                                group_q6k::<$r>(w, nb, a, o, self.n, pf)
+                            match (self.isa, self.ty) {
+                                (Isa::Avx512Vnni, QType::Q4K) => {
+                                    kquant::avx512::group_q4k::<$r>(w, nb, a, mpr, o, self.n, pf)
+                                }
+                                (Isa::Avx512Vnni, _) => {
+                                    kquant::avx512::group_q6k::<$r>(w, nb, a, o, self.n, pf)
+                                }
+                                (_, QType::Q4K) => {
+                                    kquant::avx2::group_q4k::<$r>(w, nb, a, mpr, o, self.n, pf)
+                                }
+                                _ => kquant::avx2::group_q6k::<$r>(w, nb, a, o, self.n, pf),
                             }
                         };
                     }
@@ -381,7 +387,7 @@ pub fn max_rows(isa: Isa) -> usize {
 
 /// Bytes ahead of the block being multiplied that the 32-block kernels prefetch: 2 KiB by
 /// default, `DSPARK_KERNEL_PREFETCH=BYTES` to change it (0: none; K-quants: see
-/// [`KQUANT_PREFETCH_DEFAULT`]).
+/// [`kquant_prefetch_distance`]).
 ///
 /// A decode step streams the whole model once; the hardware prefetchers stop at every 4 KiB
 /// page and restart only after a few misses, and each chunk of a matmul starts a new stream,
@@ -394,17 +400,33 @@ fn prefetch_distance() -> usize {
     *PF.get_or_init(|| env_bytes("DSPARK_KERNEL_PREFETCH", PREFETCH_DEFAULT))
 }
 
-/// The K-quant kernels' prefetch distance: none by default, `DSPARK_KQUANT_PREFETCH=BYTES`
-/// to change it. A packed K-quant group is one contiguous run of super-blocks (14-83 KB on
-/// Qwen2.5-1.5B) on 2 MiB pages, which the hardware prefetchers follow by themselves: on the
-/// 1.5B's one-row decode step, 2 KiB of software prefetch ran 18.7 steps/s and none 20.5
-/// (docs/benchmarks.md, session 37).
-pub const KQUANT_PREFETCH_DEFAULT: usize = 0;
-
-fn kquant_prefetch_distance() -> usize {
-    static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *PF.get_or_init(|| env_bytes("DSPARK_KQUANT_PREFETCH", KQUANT_PREFETCH_DEFAULT))
+/// The K-quant kernels' prefetch distance: [`KQUANT_PREFETCH_AVX512`] or
+/// [`KQUANT_PREFETCH_AVX2`] by the kernels' ISA, `DSPARK_KQUANT_PREFETCH=BYTES` to change it.
+fn kquant_prefetch_distance(isa: Isa) -> usize {
+    static PF: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = *PF.get_or_init(|| {
+        std::env::var("DSPARK_KQUANT_PREFETCH")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    set.unwrap_or(if isa >= Isa::Avx512Vnni {
+        KQUANT_PREFETCH_AVX512
+    } else {
+        KQUANT_PREFETCH_AVX2
+    })
 }
+
+/// The AVX-512 K-quant kernels prefetch nothing: a packed K-quant group is one contiguous
+/// run of super-blocks (14-83 KB on Qwen2.5-1.5B) on 2 MiB pages, which the hardware
+/// prefetchers of the Zen 4 it was measured on follow by themselves (on the 1.5B's one-row
+/// decode step, 2 KiB of software prefetch ran 18.7 steps/s and none 20.5; docs/benchmarks.md,
+/// session 37).
+pub const KQUANT_PREFETCH_AVX512: usize = 0;
+
+/// The AVX2 K-quant kernels prefetch 4 KiB ahead: on the AVX2-only Zen 3 they were measured
+/// on, the 1.5B's steps wait on memory without it (medians of 3 runs, 1 / 5 rows: none 11.4 /
+/// 6.2 steps/s, 4 KiB 14.9 / 8.8, 8 KiB 14.0 / 8.6; docs/benchmarks.md, session 39).
+pub const KQUANT_PREFETCH_AVX2: usize = 4096;
 
 fn env_bytes(name: &str, default: usize) -> usize {
     std::env::var(name)
