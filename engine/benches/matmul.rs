@@ -1,7 +1,9 @@
 //! The quantised matmul kernels on SmolLM2-135M's shapes: throughput with cache-resident
-//! weights (`shapes`), and one decode step's matmuls over model-sized weights streaming from
-//! memory (`stream`). `cargo bench -p dspark-engine --bench matmul [-- shapes|stream]`
-//! (both without an argument).
+//! weights (`shapes`), one decode step's matmuls over model-sized weights streaming from
+//! memory (`stream`), and the machine's read bandwidth with all cores (`bandwidth`: the
+//! ceiling of a one-row decode step, which reads every weight once).
+//! `cargo bench -p dspark-engine --bench matmul [-- shapes|stream|bandwidth]` (all three
+//! without an argument).
 
 use dspark_engine::kernels::{matmul_many, packed, Isa, QMatrix, QType};
 use dspark_engine::testutil::{quantized, random_with_outliers};
@@ -19,6 +21,62 @@ fn main() {
     }
     if want("stream") {
         bench_stream();
+    }
+    if want("bandwidth") {
+        bench_bandwidth();
+    }
+}
+
+/// Read bandwidth of a 1 GiB buffer (far past the caches, about a 1.5B Q4_K_M model), cut
+/// into one contiguous share per core as the matmul chunks are, 10 passes: the best and the
+/// median GB/s, and what they make of a one-row decode step of `bytes` of weights.
+fn bench_bandwidth() {
+    let len = 1usize << 30;
+    let buf: Vec<u64> = (0..len / 8).map(|i| i as u64).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = buf.len().div_ceil(threads);
+    let mut gbs = Vec::new();
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(share)
+                .map(|c| {
+                    s.spawn(move || {
+                        // Eight independent lanes, so the loop is bound by loads, not by
+                        // one addition chain.
+                        let mut acc = [0u64; 8];
+                        for w in c.chunks_exact(8) {
+                            for (a, &x) in acc.iter_mut().zip(w) {
+                                *a = a.wrapping_add(x);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().expect("reader thread"))
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        gbs.push(len as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    gbs.sort_by(f64::total_cmp);
+    let (best, med) = (gbs[gbs.len() - 1], gbs[gbs.len() / 2]);
+    println!(
+        "read bandwidth, {threads} threads, 1 GiB x 10: best {best:.1} GB/s, median {med:.1} GB/s"
+    );
+    for (name, bytes) in [
+        ("SmolLM2-135M Q4_1", 98.4e6),
+        ("Qwen2.5-Coder-1.5B Q4_K_M", 1.117e9),
+    ] {
+        println!(
+            "  {name} ({:.0} MB): one-row step >= {:.1} ms, <= {:.1} steps/s at the median",
+            bytes / 1e6,
+            bytes / med / 1e6,
+            med * 1e9 / bytes
+        );
     }
 }
 
