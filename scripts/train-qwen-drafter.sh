@@ -15,8 +15,10 @@
 # Usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]
 # Env: STEPS (default 2400), SEQS (4), ANCHORS (24), LR (1.5e-3), GEN_BATCH (32),
 #      DSPARK_TRAIN_BIN (default: the workspace's release dspark-train).
-# Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, session 38): data 98 min
-# (159,067 tokens; the ggml-layout AVX2 kernels), training 2.8 s per step of 96 blocks.
+# Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, sessions 38-39): data 98 min
+# for 159,067 tokens on the ggml-layout AVX2 kernels (27 tok/s; the packed AVX2 K-quant
+# kernels of session 39 write ~50 tok/s), training 2.8 s per step of 96 blocks (715 steps:
+# 45 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK="${1:?usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]}"
