@@ -6,12 +6,13 @@
 //! Q8_0: the signed quants' sign moves to the activations (`sign`, then `maddubs` of `|w|`),
 //! one `madd` per vector since those pairs fill an `i16`.
 
-use super::{Q8Block, QK};
+use super::Q8Block;
 use std::arch::x86_64::*;
 
+/// The 4 activation bytes at `at` of a quant block (32 or 256 long) in every 32-bit lane.
 #[inline(always)]
-unsafe fn bcast4(q: &[i8; QK], at: usize) -> __m256i {
-    // SAFETY: callers pass `at <= QK - 4`, so the 4 bytes read lie inside `q`; AVX2 is
+pub(super) unsafe fn bcast4<const N: usize>(q: &[i8; N], at: usize) -> __m256i {
+    // SAFETY: callers pass `at <= N - 4`, so the 4 bytes read lie inside `q`; AVX2 is
     // enabled in callers.
     unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32)) }
 }

@@ -4,12 +4,13 @@
 //! chain (no add either; 5-12 % off the LM head at 4-8 rows in `bench`); Q4 keeps two
 //! (one chain was no faster there and slower at 64 rows).
 
-use super::{Q8Block, QK};
+use super::Q8Block;
 use std::arch::x86_64::*;
 
+/// The 4 activation bytes at `at` of a quant block (32 or 256 long) in every 32-bit lane.
 #[inline(always)]
-unsafe fn bcast4(q: &[i8; QK], at: usize) -> __m512i {
-    // SAFETY: callers pass `at <= QK - 4`, so the 4 bytes read lie inside `q`; AVX-512 is
+pub(super) unsafe fn bcast4<const N: usize>(q: &[i8; N], at: usize) -> __m512i {
+    // SAFETY: callers pass `at <= N - 4`, so the 4 bytes read lie inside `q`; AVX-512 is
     // enabled in callers.
     unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32)) }
 }

@@ -27,7 +27,7 @@
 //! vector `v`, lane `l`, byte `i` is element `4v + i` of its sub-block in row `l`. Then
 //! 16 x L i8 scales (`[sub-block][lane]`) and L f16 `d`.
 
-use super::super::blocks::{scale_min_k4, BlockQ4K, BlockQ6K, QK_K};
+use super::super::blocks::{scale_min_k4, BlockQ4K, BlockQ6K};
 use super::super::q8::Q8KBlock;
 use super::super::QType;
 
@@ -170,6 +170,7 @@ pub(in crate::kernels) fn min_pairs(acts: &[Q8KBlock]) -> Vec<[i32; 4]> {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512 {
+    use super::super::avx512::bcast4;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -184,13 +185,6 @@ pub(super) mod avx512 {
     const Q6K_QUAD: usize = LAY.q6k_quad();
     const Q6K_SCALES: usize = LAY.q6k_scales();
     const Q6K_D: usize = LAY.q6k_d();
-
-    #[inline(always)]
-    unsafe fn bcast4(q: &[i8; QK_K], at: usize) -> __m512i {
-        // SAFETY: callers pass `at <= QK_K - 4`, so the 4 bytes read lie inside `q`;
-        // AVX-512 is enabled in callers.
-        unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32)) }
-    }
 
     /// One group of 16 Q4_K rows against R input rows (`a[r * nb + b]`, their min pairs
     /// `mp[r * nb + b]`), written to `out + r * n`.
@@ -358,6 +352,7 @@ pub(super) mod avx512 {
 /// row's lane, exactly the integers of the AVX-512 kernels.
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx2 {
+    use super::super::avx2::bcast4;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -366,13 +361,6 @@ pub(super) mod avx2 {
     const V: usize = LAY.v;
     const Q4K_BYTES: usize = LAY.q4k_bytes();
     const Q6K_BYTES: usize = LAY.q6k_bytes();
-
-    #[inline(always)]
-    unsafe fn bcast4(q: &[i8; QK_K], at: usize) -> __m256i {
-        // SAFETY: callers pass `at <= QK_K - 4`, so the 4 bytes read lie inside `q`; AVX2
-        // is enabled in callers.
-        unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(q.as_ptr().add(at) as *const i32)) }
-    }
 
     /// The 8 bytes at `p` (one per lane) widened to 32-bit lanes (`i8` when `SIGNED`,
     /// `u8` otherwise).

@@ -404,11 +404,7 @@ fn prefetch_distance() -> usize {
 /// [`KQUANT_PREFETCH_AVX2`] by the kernels' ISA, `DSPARK_KQUANT_PREFETCH=BYTES` to change it.
 fn kquant_prefetch_distance(isa: Isa) -> usize {
     static PF: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let set = *PF.get_or_init(|| {
-        std::env::var("DSPARK_KQUANT_PREFETCH")
-            .ok()
-            .and_then(|v| v.parse().ok())
-    });
+    let set = *PF.get_or_init(|| env_bytes_opt("DSPARK_KQUANT_PREFETCH"));
     set.unwrap_or(if isa >= Isa::Avx512Vnni {
         KQUANT_PREFETCH_AVX512
     } else {
@@ -429,10 +425,11 @@ pub const KQUANT_PREFETCH_AVX512: usize = 0;
 pub const KQUANT_PREFETCH_AVX2: usize = 4096;
 
 fn env_bytes(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+    env_bytes_opt(name).unwrap_or(default)
+}
+
+fn env_bytes_opt(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
 
 /// Prefetches the `len` bytes `dist` bytes after `at` into L1 (nothing when `dist` is 0).
