@@ -80,7 +80,12 @@ pub fn generate(
         "empty prompt or no new tokens"
     );
     let dev = &target.device;
-    let cap = prompt.len() + max_new + gamma + 16;
+    // Room for the last block: a full-block drafter writes `block_size` rows whatever `gamma`.
+    let block = match drafter {
+        EvalDrafter::Model(d) => d.config().block_rows(gamma),
+        _ => gamma,
+    };
+    let cap = prompt.len() + max_new + block.max(gamma) + 16;
     // The target cache as `serve` keeps it by default (f16).
     let f16 = candle_core::DType::F16;
     let tbytes = cap * KvCache::bytes_per_token_as(target.cfg.num_layers, target.cfg.kv_dim(), f16);
@@ -142,7 +147,8 @@ pub fn generate(
                 }
                 EvalDrafter::Model(d) => {
                     let dk = dkv.as_mut().expect("model drafter cache");
-                    ensure!(dk.ensure(&mut dtable, cached + g), "drafter cache full");
+                    let rows = d.config().block_rows(g);
+                    ensure!(dk.ensure(&mut dtable, cached + rows), "drafter cache full");
                     let mut reqs = [DraftRequest {
                         anchor: *tokens.last().expect("non-empty"),
                         anchor_pos: cached,

@@ -25,6 +25,10 @@ fn init_from_target_copies_the_last_layer() {
         };
         let cfg = new_config(&target, &ds, &tc);
         assert_eq!(cfg.intermediate_size, if inter == 0 { full } else { inter });
+        assert!(
+            cfg.full_block,
+            "trained on whole blocks, served on whole blocks"
+        );
         let d = init_from_target(&target, cfg.clone(), 1).unwrap();
         let t = d.tensors();
         let bf = |x: &Tensor| {
@@ -66,18 +70,23 @@ fn init_from_target_copies_the_last_layer() {
 fn training_forward_matches_serving_propose() {
     let target = tiny_target();
     let vocab: Vec<u32> = (0..VOCAB as u32).rev().step_by(2).collect();
-    for (head, dv, context_input, compact) in [
-        (HeadKind::Markov, None, false, false),
-        (HeadKind::Markov, Some(vocab.clone()), false, false),
-        (HeadKind::Rnn, Some(vocab.clone()), false, false),
-        (HeadKind::Parallel, None, false, false),
-        (HeadKind::Markov, Some(vocab.clone()), true, false),
+    // (head, draft vocabulary, context input, compact W1, drafts wanted): fewer drafts than
+    // the block only match training with `full_block`, which training sets.
+    for (head, dv, context_input, compact, gamma) in [
+        (HeadKind::Markov, None, false, false, GAMMA),
+        (HeadKind::Markov, Some(vocab.clone()), false, false, GAMMA),
+        (HeadKind::Rnn, Some(vocab.clone()), false, false, GAMMA),
+        (HeadKind::Parallel, None, false, false, GAMMA),
+        (HeadKind::Markov, Some(vocab.clone()), true, false, GAMMA),
         // compact W1: half the ids (maybe the anchor) share W1's last row
-        (HeadKind::Markov, Some(vocab.clone()), true, true),
-        (HeadKind::Rnn, Some(vocab.clone()), false, true),
+        (HeadKind::Markov, Some(vocab.clone()), true, true, GAMMA),
+        (HeadKind::Rnn, Some(vocab.clone()), false, true, GAMMA),
+        (HeadKind::Markov, Some(vocab.clone()), true, true, 1),
+        (HeadKind::Rnn, Some(vocab.clone()), false, false, 2),
     ] {
         let mut cfg = small_config(&target, head, dv.clone());
         cfg.context_input = context_input;
+        cfg.full_block = gamma < GAMMA;
         let mut d = DSparkDrafter::random(&target, cfg, 7).unwrap();
         if compact {
             d = d.compact_w1(&target).unwrap();
@@ -90,7 +99,7 @@ fn training_forward_matches_serving_propose() {
         // Serving: context, then one block at temperature 1.
         let mut kv = d.new_cache(1 << 20, 16, &Device::Cpu).unwrap();
         let mut table = Vec::new();
-        assert!(kv.ensure(&mut table, anchor_pos + GAMMA));
+        assert!(kv.ensure(&mut table, anchor_pos + d.config().block_rows(gamma)));
         let hidden: Vec<Tensor> = (0..layers.len())
             .map(|i| feats.narrow(1, i * HIDDEN, HIDDEN).unwrap())
             .collect();
@@ -101,7 +110,7 @@ fn training_forward_matches_serving_propose() {
             anchor: seq[anchor_pos],
             anchor_pos,
             block_table: &table,
-            gamma: GAMMA,
+            gamma,
             params: &params,
             history: None,
             rng: &mut srng,
@@ -112,9 +121,11 @@ fn training_forward_matches_serving_propose() {
             .unwrap()
             .pop()
             .unwrap();
-        // Training: the drafted tokens as teacher-forced inputs.
+        // Training: the drafted tokens as teacher-forced inputs (then any tokens: rows past
+        // `gamma` are not compared, and inputs only enter the rows after them).
         let mut tokens = seq[..=anchor_pos].to_vec();
         tokens.extend_from_slice(&block.tokens);
+        tokens.extend_from_slice(&seq[..GAMMA - gamma]);
         let td = TrainDrafter::new(&target, &d).unwrap();
         let out = td
             .forward(
@@ -132,7 +143,8 @@ fn training_forward_matches_serving_propose() {
             .unwrap();
         let z: Vec<f32> = out.conf_logit.unwrap().to_vec1().unwrap();
         let ids: Vec<u32> = dv.clone().unwrap_or_else(|| (0..VOCAB as u32).collect());
-        for k in 0..GAMMA {
+        assert_eq!(block.tokens.len(), gamma);
+        for k in 0..gamma {
             let serv = block.q[k]
                 .dense(VOCAB)
                 .expect("temperature 1 gives probabilities");

@@ -61,6 +61,9 @@ pub struct DSparkConfig {
     pub skip_anchor_row: bool,
     /// The backbone always runs the whole block (as the reference implementations do), even
     /// when fewer draft tokens are wanted: drafts do not depend on the requested length.
+    /// Every drafter trained on whole blocks needs it (`dspark-train` sets it): the block's
+    /// rows attend to each other both ways, so a shorter block changes every draft. Off, the
+    /// backbone runs only the `gamma` rows wanted (cheaper; exact for block-causal drafters).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub full_block: bool,
     /// The checkpoint carries its own `embed_tokens.weight` and `lm_head.weight` (DeepSpec
