@@ -8,12 +8,14 @@
 #   2. training: one drafter layer started from the target's last layer (MLP 2,048 wide: its
 #      strongest neurons), the context fed to every block row, an 8,192-token draft
 #      vocabulary with a compact W1, blocks of 7, AdamW with warm-up + cosine;
-#   3. STS calibration of the confidence head on the held-out 10 % of the data.
+#   3. a second stage from that checkpoint (fresh warm-up + cosine, lower peak rate);
+#   4. STS calibration of the confidence head on the held-out 10 % of the data.
 # Every stage is skipped when its output exists, and training resumes from its last
 # checkpoint (every 25 steps), so the script can be stopped and re-run (niced) at will.
 #
 # Usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]
-# Env: STEPS (default 2400), SEQS (4), ANCHORS (24), LR (1.5e-3), GEN_BATCH (32),
+# Env: STEPS (default 715), SEQS (4), ANCHORS (24), LR (1.5e-3), STEPS2 (1500), LR2 (1e-3),
+#      GEN_BATCH (32),
 #      DSPARK_TRAIN_BIN (default: the workspace's release dspark-train).
 # Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, sessions 38-39): data 98 min
 # for 159,067 tokens on the ggml-layout AVX2 kernels (27 tok/s; the packed AVX2 K-quant
@@ -26,7 +28,8 @@ OUT="${2:-drafters/qwen2.5-coder-1.5b-dspark-markov}"
 CACHE="${DSPARK_CACHE:-$HOME/.cache/dspark}"
 BIN="${DSPARK_TRAIN_BIN:-${CARGO_TARGET_DIR:-$CACHE/cargo-target}/release/dspark-train}"
 M="$CACHE/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-STEPS="${STEPS:-2400}"; SEQS="${SEQS:-4}"; ANCHORS="${ANCHORS:-24}"; LR="${LR:-1.5e-3}"
+STEPS="${STEPS:-715}"; SEQS="${SEQS:-4}"; ANCHORS="${ANCHORS:-24}"; LR="${LR:-1.5e-3}"
+STEPS2="${STEPS2:-1500}"; LR2="${LR2:-1e-3}"
 mkdir -p "$WORK"
 [ -s "$M" ] || scripts/fetch-models.sh qwen >/dev/null
 
@@ -52,8 +55,12 @@ fi
   --steps "$STEPS" --seqs-per-step "$SEQS" --anchors "$ANCHORS" --block-size 7 --lr "$LR" \
   --intermediate 2048 --init-from-target --context-input --draft-vocab 8192 --compact-w1 \
   --rank 256 --save-every 25
-"$BIN" calibrate --model "$M" --drafter "$WORK/run" --dataset "$WORK/dataset" \
-  --json "$WORK/sts.json"
+"$BIN" train --model "$M" --dataset "$WORK/dataset" --out "$WORK/run2" --init "$WORK/run" \
+  --head dspark-markov --steps "$STEPS2" --seqs-per-step "$SEQS" --anchors "$ANCHORS" \
+  --block-size 7 --lr "$LR2" --intermediate 2048 --init-from-target --context-input \
+  --draft-vocab 8192 --compact-w1 --rank 256 --save-every 25
+"$BIN" calibrate --model "$M" --drafter "$WORK/run2" --dataset "$WORK/dataset" \
+  --anchors "$ANCHORS" --json "$WORK/sts.json"
 mkdir -p "$OUT"
-cp "$WORK/run/config.json" "$WORK/run/model.safetensors" "$OUT/"
+cp "$WORK/run2/config.json" "$WORK/run2/model.safetensors" "$OUT/"
 echo "drafter written to $OUT (add its manifest.json: see drafters/*/manifest.json)"
