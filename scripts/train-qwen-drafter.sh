@@ -14,7 +14,7 @@
 # checkpoint (every 25 steps), so the script can be stopped and re-run (niced) at will.
 #
 # Usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]
-# Env: STEPS (default 715), SEQS (4), ANCHORS (24), LR (1.5e-3), STEPS2 (1500), LR2 (1e-3),
+# Env: MIX (prompts per domain, default code=500,math=150,chat=150), STEPS (default 715), SEQS (4), ANCHORS (24), LR (1.5e-3), STEPS2 (1500), LR2 (1e-3),
 #      GEN_BATCH (32),
 #      DSPARK_TRAIN_BIN (default: the workspace's release dspark-train).
 # Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, sessions 38-39): data 98 min
@@ -34,13 +34,13 @@ mkdir -p "$WORK"
 [ -s "$M" ] || scripts/fetch-models.sh qwen >/dev/null
 
 if [ ! -s "$WORK/prompts.jsonl" ]; then
-  python3 - "$WORK/prompts.jsonl" <<'EOF'
+  python3 - "$WORK/prompts.jsonl" "${MIX:-code=500,math=150,chat=150}" <<'EOF'
 import json, random, sys
 rs = [json.loads(l) for l in open("data/prompts/train-magpie2.jsonl")]
 random.seed(50)
 out = []
-for d, n in [("code", 500), ("math", 150), ("chat", 150)]:
-    out += random.sample([r for r in rs if r["domain"] == d], n)
+for d, n in (kv.split("=") for kv in sys.argv[2].split(",")):
+    out += random.sample([r for r in rs if r["domain"] == d], int(n))
 random.shuffle(out)
 with open(sys.argv[1], "w") as f:
     for r in out:

@@ -312,6 +312,23 @@ mod tests {
             None
         );
         assert_eq!(found(&[PathBuf::from("/nonexistent")], &names), None);
+        // The real-size target's drafter (issue #50) by its GGUF file stem; its 0.5B sibling
+        // has none.
+        let qwen = shipped.join("qwen2.5-coder-1.5b-dspark-markov");
+        assert_eq!(
+            found(
+                std::slice::from_ref(&shipped),
+                &["qwen2.5-coder-1.5b-instruct-q4_k_m"]
+            ),
+            Some((qwen, Speculation::DSparkMarkov))
+        );
+        assert_eq!(
+            found(
+                std::slice::from_ref(&shipped),
+                &["qwen2.5-coder-0.5b-instruct"]
+            ),
+            None
+        );
         assert_eq!(
             drafter_search_path(Some("/a:/b")),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
