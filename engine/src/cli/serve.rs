@@ -118,8 +118,9 @@ pub struct ServeArgs {
     /// Without one the built-in conservative default is used until one is pushed.
     #[arg(long = flags::COST_TABLE, env = cenv::COST_TABLE)]
     pub cost_table: Option<PathBuf>,
-    /// Without --cost-table, measure SPS(B) on this machine at start-up (a few seconds) for
-    /// the dspark policy instead of starting on the built-in default table.
+    /// Without --cost-table, measure SPS(B) on this machine at start-up (seconds on a small
+    /// model, about a minute for a 1.5B on two CPU cores) for the dspark policy instead of
+    /// starting on the built-in default table.
     #[arg(long, env = "DSPARK_STARTUP_PROFILE", default_value_t = true, action = clap::ArgAction::Set)]
     pub startup_profile: bool,
     /// Port of the admin API (cost-table push, state), on --host; needs a token.
