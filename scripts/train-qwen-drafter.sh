@@ -14,8 +14,8 @@
 # checkpoint (every 25 steps), so the script can be stopped and re-run (niced) at will.
 #
 # Usage: scripts/train-qwen-drafter.sh WORK_DIR [OUT_DRAFTER_DIR]
-# Env: MIX (prompts per domain, default code=500,math=150,chat=150), STEPS (default 715), SEQS (4), ANCHORS (24), LR (1.5e-3), STEPS2 (1500), LR2 (1e-3),
-#      GEN_BATCH (32),
+# Env: MIX (prompts per domain, default code=500,math=150,chat=150), STEPS (default 715),
+#      SEQS (4), ANCHORS (24), LR (1.5e-3), STEPS2 (1500), LR2 (1e-3), GEN_BATCH (32),
 #      DSPARK_TRAIN_BIN (default: the workspace's release dspark-train).
 # Wall time on 2 AVX2-only Zen 3 cores (docs/benchmarks.md, sessions 38-39): data 98 min
 # for 159,067 tokens on the ggml-layout AVX2 kernels (27 tok/s; the packed AVX2 K-quant
@@ -63,4 +63,4 @@ fi
   --anchors "$ANCHORS" --json "$WORK/sts.json"
 mkdir -p "$OUT"
 cp "$WORK/run2/config.json" "$WORK/run2/model.safetensors" "$OUT/"
-echo "drafter written to $OUT (add its manifest.json: see drafters/*/manifest.json)"
+echo "drafter written to $OUT (update its manifest.json: sha256, data, budget, sts)"
