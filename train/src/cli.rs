@@ -14,6 +14,7 @@ use dspark_engine::speculative::dspark::{default_target_layers, DSparkDrafter, H
 use dspark_engine::speculative::recalibrate::OnlineCalibration;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::cell::RefCell;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -26,9 +27,35 @@ fn parse_head(s: &str) -> Result<HeadKind> {
     })
 }
 
+/// A progress bar on a terminal. indicatif draws nothing when stderr is not one (the log
+/// file of a niced background run), so there a thread prints one plain line a minute
+/// (position, message, elapsed, ETA) until the bar is finished.
 fn bar(len: u64, template: &str) -> ProgressBar {
     let b = ProgressBar::new(len);
     b.set_style(ProgressStyle::with_template(template).expect("valid template"));
+    if !std::io::stderr().is_terminal() {
+        let label = template
+            .split_whitespace()
+            .next()
+            .filter(|w| !w.starts_with('{'))
+            .unwrap_or("progress")
+            .to_string();
+        let b = b.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+            if b.is_finished() {
+                break;
+            }
+            eprintln!(
+                "{label}: {}/{} {} ({:.0?} elapsed, eta {:.0?})",
+                b.position(),
+                b.length().unwrap_or(0),
+                b.message(),
+                b.elapsed(),
+                b.eta()
+            );
+        });
+    }
     b
 }
 
