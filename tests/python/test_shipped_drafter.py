@@ -6,22 +6,22 @@ round), a checkpoint that stores the target's shared embedding / LM head, a dtyp
 that breaks the "small, bf16, ~25 MB" promise, a prompt file the recipe names but the repo
 lacks, and STS temperatures that differ between config.json and the manifest.
 """
-import hashlib
 import json
 import re
-import struct
 from pathlib import Path
 
+import shipped
+
 ROOT = Path(__file__).resolve().parents[2]
-DRAFTER = ROOT / "drafters" / "smollm2-135m-dspark-markov"
+DRAFTER = shipped.DRAFTERS / "smollm2-135m-dspark-markov"
 
 
 def manifest():
-    return json.loads((DRAFTER / "manifest.json").read_text())
+    return shipped.manifest(DRAFTER)
 
 
 def config():
-    return json.loads((DRAFTER / "config.json").read_text())
+    return shipped.config(DRAFTER)
 
 
 def prompts(path):
@@ -30,26 +30,15 @@ def prompts(path):
 
 
 def tensors():
-    raw = (DRAFTER / "model.safetensors").read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    return header
+    return shipped.tensors(DRAFTER)
 
 
 def test_weights_are_the_ones_the_manifest_names():
-    m = manifest()["files"]["model.safetensors"]
-    digest = hashlib.sha256((DRAFTER / "model.safetensors").read_bytes()).hexdigest()
-    assert digest == m["sha256"], "model.safetensors changed without its manifest"
+    shipped.check_weights_are_the_ones_the_manifest_names(DRAFTER)
 
 
 def test_small_bf16_and_without_the_shared_target_weights():
-    size = (DRAFTER / "model.safetensors").stat().st_size
-    assert size <= 25 * 1000 * 1000, f"{size} bytes: over the ~25 MB budget"
-    t = tensors()
-    assert {v["dtype"] for v in t.values()} == {"BF16"}
-    shared = [k for k in t if re.search(r"embed_tokens|lm_head", k)]
-    assert not shared, f"stores the target's shared weights: {shared}"
+    shipped.check_small_bf16_and_without_the_shared_target_weights(DRAFTER, 25 * 1000 * 1000)
 
 
 def test_architecture_matches_config_and_tensors():

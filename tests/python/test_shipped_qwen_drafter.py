@@ -7,45 +7,31 @@ image carry or storing the target's shared embedding / LM head, STS temperatures
 config.json that are not the calibration the manifest records, and data totals that do not
 add up.
 """
-import hashlib
-import json
 import re
-import struct
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DRAFTER = ROOT / "drafters" / "qwen2.5-coder-1.5b-dspark-markov"
+import shipped
+
+DRAFTER = shipped.DRAFTERS / "qwen2.5-coder-1.5b-dspark-markov"
 
 
 def manifest():
-    return json.loads((DRAFTER / "manifest.json").read_text())
+    return shipped.manifest(DRAFTER)
 
 
 def config():
-    return json.loads((DRAFTER / "config.json").read_text())
+    return shipped.config(DRAFTER)
 
 
 def tensors():
-    raw = (DRAFTER / "model.safetensors").read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8 : 8 + n])
-    header.pop("__metadata__", None)
-    return header
+    return shipped.tensors(DRAFTER)
 
 
 def test_weights_are_the_ones_the_manifest_names():
-    m = manifest()["files"]["model.safetensors"]
-    digest = hashlib.sha256((DRAFTER / "model.safetensors").read_bytes()).hexdigest()
-    assert digest == m["sha256"], "model.safetensors changed without its manifest"
+    shipped.check_weights_are_the_ones_the_manifest_names(DRAFTER)
 
 
 def test_under_64_mb_bf16_and_without_the_shared_target_weights():
-    size = (DRAFTER / "model.safetensors").stat().st_size
-    assert size <= 64 * 1000 * 1000, f"{size} bytes: over the 64 MB budget"
-    t = tensors()
-    assert {v["dtype"] for v in t.values()} == {"BF16"}
-    shared = [k for k in t if re.search(r"embed_tokens|lm_head", k)]
-    assert not shared, f"stores the target's shared weights: {shared}"
+    shipped.check_small_bf16_and_without_the_shared_target_weights(DRAFTER, 64 * 1000 * 1000)
 
 
 def test_architecture_matches_config_and_tensors():
