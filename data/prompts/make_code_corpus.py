@@ -36,6 +36,16 @@ def long_lines(path):
     return out
 
 
+def stdlib_files():
+    """This interpreter's standard library root and its Python files, minus tests and
+    tooling (SKIP_PARTS), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not SKIP_PARTS.intersection(p.relative_to(root).parts)
+                   and not p.name.startswith("test"))
+    return root, files
+
+
 def chunks_of(text, chars):
     buf, size = [], 0
     for line in text.splitlines(keepends=True):
@@ -56,10 +66,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--exclude", action="append", default=[])
     args = ap.parse_args()
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if not SKIP_PARTS.intersection(p.relative_to(root).parts)
-                   and not p.name.startswith("test"))
+    root, files = stdlib_files()
     banned = set()
     for f in args.exclude:
         banned |= long_lines(f)

