@@ -310,87 +310,96 @@ pub fn generate(
         out.push(s);
         progress(produced);
     }
-    for chunk in prompts.chunks(opts.batch.max(1)) {
-        let encoded = chunk
-            .iter()
-            .map(|p| encode_prompt(tok, model, p))
-            .collect::<Result<Vec<_>>>()?;
-        let longest = encoded.iter().map(Vec::len).max().unwrap_or(0) + opts.max_new_tokens + 1;
-        ensure!(
-            longest <= model.max_context(),
-            "a prompt of {} tokens plus {} new tokens exceeds the context",
-            longest - opts.max_new_tokens,
-            opts.max_new_tokens
-        );
-        let mut kv = gen_cache(model, chunk.len(), longest)?;
-        let mut gens: Vec<Gen> = encoded
-            .into_iter()
-            .map(|t| Gen {
-                prompt_len: t.len(),
-                tokens: t,
-                table: Vec::new(),
-                cached: 0,
-                feats: Vec::new(),
-                topk_ids: Vec::new(),
-                topk_p: Vec::new(),
-                done: false,
-            })
-            .collect();
-        loop {
-            let live: Vec<usize> = (0..gens.len()).filter(|&i| !gens[i].done).collect();
-            if live.is_empty() {
-                break;
-            }
-            let mut batch = Vec::with_capacity(live.len());
-            for &i in &live {
-                let g = &mut gens[i];
-                let n = g.tokens.len();
-                ensure!(kv.ensure(&mut g.table, n), "generation KV cache too small");
-                batch.push(SeqBatch {
-                    tokens: g.tokens[g.cached..].to_vec(),
-                    start_pos: g.cached,
-                    block_table: g.table.clone(),
-                    num_logits: 1,
-                });
-            }
-            let fwd = model.forward(&batch, &mut kv, layers)?;
-            let logits = fwd.logits.to_vec2::<f32>()?;
-            let mut row = 0;
-            for (bi, &i) in live.iter().enumerate() {
-                let g = &mut gens[i];
-                let n = batch[bi].tokens.len();
-                let rows: Vec<Tensor> = fwd
-                    .hidden
-                    .iter()
-                    .map(|h| h.narrow(0, row, n))
-                    .collect::<candle_core::Result<_>>()?;
-                g.feats.push(Tensor::cat(&rows, 1)?.to_dtype(DType::F16)?);
-                row += n;
-                g.cached += n;
-                let l = &logits[bi];
-                let (ids, p) = topk_probs(l, opts.topk);
-                g.topk_ids.extend_from_slice(&ids);
-                g.topk_p.extend_from_slice(&p);
-                let next = dspark_engine::model::argmax(l);
-                g.tokens.push(next);
-                produced += 1;
-                if tok.stop_ids.contains(&next)
-                    || g.tokens.len() - g.prompt_len >= opts.max_new_tokens
-                {
-                    g.done = true;
-                    kv.truncate(&mut g.table, 0);
-                }
-            }
-            progress(produced);
+    // Continuous batching: up to `batch` sequences decode together, and a finished one's
+    // place goes to the next prompt at once (its prefill joins the next forward), so the
+    // forward stays full until the last prompts drain (with fixed chunks, the long answers
+    // of each chunk ran nearly alone).
+    let encoded = prompts
+        .iter()
+        .map(|p| encode_prompt(tok, model, p))
+        .collect::<Result<Vec<_>>>()?;
+    let longest = encoded.iter().map(Vec::len).max().unwrap_or(0) + opts.max_new_tokens + 1;
+    ensure!(
+        longest <= model.max_context(),
+        "a prompt of {} tokens plus {} new tokens exceeds the context",
+        longest - opts.max_new_tokens - 1,
+        opts.max_new_tokens
+    );
+    let width = opts.batch.max(1).min(prompts.len().max(1));
+    let mut kv = gen_cache(model, width, longest)?;
+    let mut waiting = encoded.into_iter().enumerate();
+    let mut live: Vec<(usize, Gen)> = Vec::with_capacity(width);
+    let mut finished: Vec<Option<Sequence>> = (0..prompts.len()).map(|_| None).collect();
+    loop {
+        while live.len() < width {
+            let Some((i, t)) = waiting.next() else { break };
+            live.push((
+                i,
+                Gen {
+                    prompt_len: t.len(),
+                    tokens: t,
+                    table: Vec::new(),
+                    cached: 0,
+                    feats: Vec::new(),
+                    topk_ids: Vec::new(),
+                    topk_p: Vec::new(),
+                    done: false,
+                },
+            ));
         }
-        for (g, p) in gens.into_iter().zip(chunk) {
-            let fed = g.cached;
-            out.push(Sequence {
+        if live.is_empty() {
+            break;
+        }
+        let mut batch = Vec::with_capacity(live.len());
+        for (_, g) in live.iter_mut() {
+            let n = g.tokens.len();
+            ensure!(kv.ensure(&mut g.table, n), "generation KV cache too small");
+            batch.push(SeqBatch {
+                tokens: g.tokens[g.cached..].to_vec(),
+                start_pos: g.cached,
+                block_table: g.table.clone(),
+                num_logits: 1,
+            });
+        }
+        let fwd = model.forward(&batch, &mut kv, layers)?;
+        let logits = fwd.logits.to_vec2::<f32>()?;
+        let mut row = 0;
+        for (bi, (_, g)) in live.iter_mut().enumerate() {
+            let n = batch[bi].tokens.len();
+            let rows: Vec<Tensor> = fwd
+                .hidden
+                .iter()
+                .map(|h| h.narrow(0, row, n))
+                .collect::<candle_core::Result<_>>()?;
+            g.feats.push(Tensor::cat(&rows, 1)?.to_dtype(DType::F16)?);
+            row += n;
+            g.cached += n;
+            let l = &logits[bi];
+            let (ids, p) = topk_probs(l, opts.topk);
+            g.topk_ids.extend_from_slice(&ids);
+            g.topk_p.extend_from_slice(&p);
+            let next = dspark_engine::model::argmax(l);
+            g.tokens.push(next);
+            produced += 1;
+            if tok.stop_ids.contains(&next) || g.tokens.len() - g.prompt_len >= opts.max_new_tokens
+            {
+                g.done = true;
+                kv.truncate(&mut g.table, 0);
+            }
+        }
+        progress(produced);
+        for (i, g) in std::mem::take(&mut live) {
+            if !g.done {
+                live.push((i, g));
+                continue;
+            }
+            let p = &prompts[i];
+            finished[i] = Some(Sequence {
                 meta: SeqMeta {
                     id: p.id.clone(),
                     domain: p.domain.clone(),
                     prompt_len: g.prompt_len,
-                    fed,
+                    fed: g.cached,
                 },
                 tokens: g.tokens,
                 feats: Tensor::cat(&g.feats, 0)?,
@@ -399,6 +408,7 @@ pub fn generate(
             });
         }
     }
+    out.extend(finished.into_iter().flatten());
     Ok(out)
 }
 
