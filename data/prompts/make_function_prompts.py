@@ -23,20 +23,36 @@ docstring, then the body) without seeing any evaluation task. Functions whose na
 HumanEval entry point are skipped, as is any whose docstring shares a line of 40+ characters
 with a file given by `--exclude`.
 
+With `--site-packages` the functions of this interpreter's installed packages join the pool
+(the standard library alone has ~650 that qualify; tests and vendored copies are left out).
+
 With `--raw` the prompt is the bare code block (imports, signature, docstring), as HumanEval's
 own `prompt` field is and as bench/loadgen.py sends it.
 
 Usage: python3 data/prompts/make_function_prompts.py --out PROMPTS.jsonl [--count 400]
-       [--seed 0] [--raw] [--skip EARLIER.jsonl] [--exclude ~/.cache/dspark/data/HumanEval.jsonl ...]
+       [--seed 0] [--raw] [--site-packages] [--skip EARLIER.jsonl] [--exclude ~/.cache/dspark/data/HumanEval.jsonl ...]
 The file is written outside the repository (the docstrings are the interpreter's).
 """
 import argparse
 import ast
 import json
 import random
+import site
 from pathlib import Path
 
-from make_code_corpus import long_lines, stdlib_files
+from make_code_corpus import SKIP_PARTS, long_lines, stdlib_files
+
+
+def site_files():
+    """The Python files of this interpreter's installed packages, minus tests, tooling and
+    vendored copies, sorted."""
+    out = []
+    for root in map(Path, site.getsitepackages()):
+        out += [p for p in root.rglob("*.py")
+                if not (SKIP_PARTS | {"_vendor", "vendor", "testing"}).intersection(
+                    p.relative_to(root).parts)
+                and not p.name.startswith("test")]
+    return sorted(out)
 
 
 def entry_points(paths):
@@ -111,10 +127,14 @@ def main():
     ap.add_argument("--raw", action="store_true",
                     help="the bare code as HumanEval's `prompt` field has it (what bench/loadgen.py "
                          "sends for HumanEval), without the instruction and the fence")
+    ap.add_argument("--site-packages", action="store_true",
+                    help="also the functions of this interpreter's installed packages")
     ap.add_argument("--skip", action="append", default=[],
                     help="a prompts file written before: its functions are not picked again")
     args = ap.parse_args()
     root, files = stdlib_files()
+    if args.site_packages:
+        files = files + site_files()
     skip_names = entry_points(args.exclude)
     bad = set().union(*(long_lines(Path(f).expanduser()) for f in args.exclude))
     skip_ids = {json.loads(line)["id"] for f in args.skip for line in open(f) if line.strip()}

@@ -56,3 +56,14 @@ def test_raw_prompts_are_bare_code_and_skip_an_earlier_file(tmp_path):
     # Seeded: the same arguments write the same file.
     again = run_maker(tmp_path, "again.jsonl", "--count", "50", "--seed", "3")
     assert again == first
+
+
+def test_site_packages_widen_the_pool_with_valid_functions(tmp_path):
+    stdlib = run_maker(tmp_path, "std.jsonl", "--count", "100000", "--raw")
+    wide = run_maker(tmp_path, "wide.jsonl", "--count", "100000", "--raw", "--site-packages")
+    assert len(wide) > len(stdlib)
+    assert {r["id"] for r in stdlib} <= {r["id"] for r in wide}
+    for r in wide[::max(1, len(wide) // 300)]:
+        tree = ast.parse(r["prompt"])
+        fn = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        assert len(fn) == 1 and ast.get_docstring(fn[0]) and len(fn[0].body) == 1
