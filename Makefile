@@ -23,6 +23,7 @@ CARGO ?= cargo
 
 build:
 	scripts/build-deps.sh
+	scripts/claim-target-dir.sh
 	$(CARGO) build --release --workspace
 
 setup:
