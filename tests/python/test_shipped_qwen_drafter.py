@@ -70,4 +70,6 @@ def test_data_and_budget_add_up():
     named = re.search(r"--dataset (\S+)", train).group(1).split(",")
     assert [n.rsplit("/", 1)[1] for n in named] == [d["name"] for d in ds]
     steps = re.search(r"--steps (\d+)", train).group(1)
-    assert int(steps) == m["budget"]["stage_2"]["steps"]
+    stages = sorted((k for k in m["budget"] if k.startswith("stage_")), key=lambda k: int(k[6:]))
+    assert int(steps) == m["budget"][stages[-1]]["steps"]
+    assert m["budget"]["total_wall_seconds"] >= sum(m["budget"][k]["wall_seconds"] for k in stages)
