@@ -1,6 +1,21 @@
 //! Teacher-forced dataset records on the real SmolLM2.
 
 use super::*;
+use dspark_engine::testutil::max_abs_diff;
+
+/// The real SmolLM2-135M-Instruct (scripts/fetch-models.sh) and its tokenizer.
+fn smollm2() -> (
+    dspark_engine::model::Model,
+    dspark_engine::tokenizer::TextTokenizer,
+) {
+    let cache = std::env::var_os("DSPARK_CACHE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/dspark")
+        });
+    let path = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    dspark_engine::loader::load(&path, &Device::Cpu, false).unwrap()
+}
 
 /// A teacher-forced record (`"forced": true`) is fed, not generated: its sequence starts
 /// anchoring at the first token, keeps the target's hidden states and top-k at every
@@ -8,13 +23,7 @@ use super::*;
 /// target's greedy continuation. Real SmolLM2 model (scripts/fetch-models.sh).
 #[test]
 fn teacher_forced_text_keeps_every_position() {
-    let cache = std::env::var_os("DSPARK_CACHE")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/dspark")
-        });
-    let path = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let (model, tok) = dspark_engine::loader::load(&path, &Device::Cpu, false).unwrap();
+    let (model, tok) = smollm2();
     // Longer than one forward chunk (128 rows), so the chunks must join up.
     let text = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n".repeat(6);
     let p = data::Prompt {
@@ -62,13 +71,7 @@ fn teacher_forced_text_keeps_every_position() {
 /// hidden states. Real SmolLM2 model.
 #[test]
 fn generation_refills_the_batch_and_matches_one_at_a_time() {
-    let cache = std::env::var_os("DSPARK_CACHE")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/dspark")
-        });
-    let path = cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    let (model, tok) = dspark_engine::loader::load(&path, &Device::Cpu, false).unwrap();
+    let (model, tok) = smollm2();
     let texts = [
         "Say hi.",
         "Write a Python function that returns the sum of a list of integers.",
@@ -136,14 +139,8 @@ fn generation_refills_the_batch_and_matches_one_at_a_time() {
         assert_eq!(a.meta.fed, b.meta.fed);
         assert_eq!(a.tokens, b.tokens, "{}", a.meta.id);
         assert_eq!(a.topk_ids, b.topk_ids, "{}", a.meta.id);
-        let d = (&a.feats.to_dtype(DType::F32).unwrap() - &b.feats.to_dtype(DType::F32).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let f32s = |s: &data::Sequence| s.feats.to_dtype(DType::F32).unwrap();
+        let d = max_abs_diff(&f32s(a), &f32s(b));
         assert!(d < 1e-2, "{}: hidden states differ by {d}", a.meta.id);
     }
 }
