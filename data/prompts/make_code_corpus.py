@@ -36,14 +36,19 @@ def long_lines(path):
     return out
 
 
+def python_files(root, skip=SKIP_PARTS):
+    """The Python files under `root`, minus test files and any under a folder named in
+    `skip`, sorted."""
+    return sorted(p for p in root.rglob("*.py")
+                  if not skip.intersection(p.relative_to(root).parts)
+                  and not p.name.startswith("test"))
+
+
 def stdlib_files():
     """This interpreter's standard library root and its Python files, minus tests and
     tooling (SKIP_PARTS), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if not SKIP_PARTS.intersection(p.relative_to(root).parts)
-                   and not p.name.startswith("test"))
-    return root, files
+    return root, python_files(root)
 
 
 def chunks_of(text, chars):

@@ -40,19 +40,14 @@ import random
 import site
 from pathlib import Path
 
-from make_code_corpus import SKIP_PARTS, long_lines, stdlib_files
+from make_code_corpus import SKIP_PARTS, long_lines, python_files, stdlib_files
 
 
 def site_files():
     """The Python files of this interpreter's installed packages, minus tests, tooling and
     vendored copies, sorted."""
-    out = []
-    for root in map(Path, site.getsitepackages()):
-        out += [p for p in root.rglob("*.py")
-                if not (SKIP_PARTS | {"_vendor", "vendor", "testing"}).intersection(
-                    p.relative_to(root).parts)
-                and not p.name.startswith("test")]
-    return sorted(out)
+    skip = SKIP_PARTS | {"_vendor", "vendor", "testing"}
+    return sorted(p for root in map(Path, site.getsitepackages()) for p in python_files(root, skip))
 
 
 def entry_points(paths):
