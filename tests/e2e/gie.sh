@@ -174,17 +174,19 @@ EOF
   a_drained() { [ "$(gie_metric "$a_ip" vllm:num_requests_running)" = 0 ] && [ "$(gie_metric "$a_ip" vllm:num_requests_waiting)" = 0 ]; }
   wait_until 60 "engine $a_ip to drain after its clients left" a_drained
 
-  # Remove A's pool: its engine goes and is never picked again.
+  # Remove A's pool: its engines go and are never picked again.
   local idx
   idx="$(kubectl get dsd -n "$NS" "$DSD" -o json | python3 -c '
 import json, sys
 pools = json.load(sys.stdin)["spec"]["pools"]
 print([p["name"] for p in pools].index(sys.argv[1]))' "$a_pool")"
-  kubectl patch dsd -n "$NS" "$DSD" --type json -p "[{\"op\":\"remove\",\"path\":\"/spec/pools/$idx\"}]" >/dev/null
+  # Its engines' addresses, read before the removal (A's among them).
   local a_pool_ips
   a_pool_ips="$(engines | python3 -c '
 import json, sys
-print(" ".join(p["ip"] for p in map(json.loads, sys.stdin) if p["pool"] == sys.argv[1] and p["ip"]))' "$a_pool")"
+ips = {p["ip"] for p in map(json.loads, sys.stdin) if p["pool"] == sys.argv[1] and p["ip"]}
+print(" ".join(sorted(ips | {sys.argv[2]})))' "$a_pool" "$a_ip")"
+  kubectl patch dsd -n "$NS" "$DSD" --type json -p "[{\"op\":\"remove\",\"path\":\"/spec/pools/$idx\"}]" >/dev/null
   a_pool_gone() { ! engines | python3 -c '
 import json, sys
 sys.exit(0 if any(json.loads(l)["pool"] == sys.argv[1] for l in sys.stdin) else 1)' "$a_pool"; }
