@@ -194,6 +194,10 @@ pub struct Metrics {
     pub drafter_calls: Counter,
     pub spec_draft_tokens: Counter,
     pub spec_accepted_tokens: Counter,
+    /// Verified blocks from prompt lookup beside the model drafter, and their accepted
+    /// tokens (also counted in the totals above).
+    pub lookup_drafts: Counter,
+    pub lookup_accepted_tokens: Counter,
     pub spec_accepted_per_pos: Family<PositionLabel, Counter>,
     /// Verify length chosen per request per step (0 = plain decode for a drafting request).
     pub verify_len: Histogram,
@@ -272,6 +276,8 @@ impl Metrics {
             drafter_calls: Counter::default(),
             spec_draft_tokens: Counter::default(),
             spec_accepted_tokens: Counter::default(),
+            lookup_drafts: Counter::default(),
+            lookup_accepted_tokens: Counter::default(),
             spec_accepted_per_pos: Family::default(),
             verify_len: Histogram::new([0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0]),
             expected_tokens: Counter::default(),
@@ -411,6 +417,16 @@ impl Metrics {
             fam::SPEC_ACCEPTED_TOKENS.name,
             "Draft tokens accepted",
             m.spec_accepted_tokens.clone(),
+        );
+        r.register(
+            fam::LOOKUP_DRAFTS.name,
+            "Verified draft blocks from prompt lookup beside the model drafter",
+            m.lookup_drafts.clone(),
+        );
+        r.register(
+            fam::LOOKUP_ACCEPTED_TOKENS.name,
+            "Draft tokens accepted from prompt-lookup blocks beside the model drafter",
+            m.lookup_accepted_tokens.clone(),
         );
         r.register(
             fam::SPEC_ACCEPTED_PER_POS.name,

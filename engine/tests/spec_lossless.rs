@@ -395,6 +395,42 @@ fn a_step_that_drafts_nothing_runs_no_drafter_code() {
     );
 }
 
+/// Prompt lookup beside the model drafter: where a continuation found in the context is
+/// worth more than the drafter's block (here verification is free and drafting slow, so
+/// wherever a match exists), the lookup block is verified instead. Greedy output stays
+/// plain decoding's, lookup blocks are verified and accepted, and `prompt_lookup: false`
+/// verifies none.
+#[test]
+fn prompt_lookup_beside_the_drafter_is_lossless() {
+    let (prompts, max_tokens) = (first_prompts(12), 64);
+    let plain = plain_run(&prompts, max_tokens);
+    let slow_drafter = |id: &str| table_json(id, |_| 100.0, 20.0);
+    let run = |prompt_lookup: bool| {
+        let cfg = EngineConfig {
+            speculation: Speculation::DSparkMarkov,
+            policy: VerifyPolicy::Dspark { gamma: 7 },
+            prompt_lookup,
+            ..Default::default()
+        };
+        let note = format!(" (prompt_lookup {prompt_lookup})");
+        let m = shipped_equals_plain(cfg, &prompts, max_tokens, &slow_drafter, &plain, &note).1;
+        let blocks = common::metric(&m, "dspark_spec_decode_lookup_drafts_total");
+        let accepted = common::metric(&m, "dspark_spec_decode_lookup_accepted_tokens_total");
+        let all = common::metric(&m, "dspark_spec_decode_num_accepted_tokens_total");
+        println!("prompt_lookup {prompt_lookup}: {blocks} lookup blocks, {accepted} of {all} accepted tokens");
+        (blocks, accepted, all)
+    };
+    let (blocks, accepted, all) = run(true);
+    assert!(blocks >= 20.0, "only {blocks} lookup blocks verified");
+    assert!(
+        accepted > 0.0 && accepted < all,
+        "lookup accepted {accepted} of {all}"
+    );
+    let (blocks, _, all) = run(false);
+    assert_eq!(blocks, 0.0, "lookup blocks verified with prompt_lookup off");
+    assert!(all > 0.0, "the drafter alone accepted nothing");
+}
+
 /// The online experiment alternates its arms in windows between steps, exports every arm's
 /// series and lists the windows, and the output stays the target's (temperature 0) whichever
 /// arm was in force at each step.
@@ -633,18 +669,18 @@ fn eviction_under_a_tiny_kv_budget_keeps_every_output() {
     assert!(evictions > 0.0, "the tiny cache never evicted");
 }
 
-/// Generated token ids of `n` requests for `prompt`, seeds `0..n`, sampled under `params`
+/// Generated token ids of requests for `prompt`, one per seed in `seeds`, sampled under `params`
 /// with at most `max_tokens` tokens each, on `state`; also the drafted and accepted totals.
 fn sampled_tokens(
     state: &dspark_engine::server::AppState,
     prompt: &str,
-    n: u64,
+    seeds: std::ops::Range<u64>,
     max_tokens: usize,
     params: &SamplingParams,
 ) -> (Vec<Vec<u32>>, usize, usize) {
     let prompt = state.tok.encode(prompt, state.tok.add_bos).unwrap();
     let mut rxs = Vec::new();
-    for seed in 0..n {
+    for seed in seeds {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         state
             .engine
@@ -743,7 +779,8 @@ fn chi_square_p(x: f64, k: usize) -> f64 {
 /// temperature 1) produces the plain engine's token law: at each generated position, the
 /// histograms of many seeded requests' tokens agree (two-sample chi-square, p > 1e-4), and
 /// the drafter was really verified (tokens drafted and accepted). The statistic does reject
-/// different laws: plain decoding at temperature 0.7 against temperature 1.
+/// different laws: plain decoding at temperature 0.7 against temperature 1. The same holds
+/// with prompt-lookup blocks verified beside the drafter.
 #[test]
 fn sampled_speculation_through_the_engine_follows_the_plain_law() {
     const N: u64 = 600;
@@ -760,19 +797,19 @@ fn sampled_speculation_through_the_engine_follows_the_plain_law() {
         ..Default::default()
     };
     let plain = start(cfg(Speculation::None), None, None);
-    let (p, _, _) = sampled_tokens(&plain, prompt, N, LEN, &params);
+    let (p, _, _) = sampled_tokens(&plain, prompt, 0..N, LEN, &params);
     let colder = SamplingParams {
         temperature: 0.7,
         ..Default::default()
     };
-    let (c, _, _) = sampled_tokens(&plain, prompt, N, LEN, &colder);
+    let (c, _, _) = sampled_tokens(&plain, prompt, 0..N, LEN, &colder);
     drop(plain);
     let spec = start(
         cfg(Speculation::DSparkMarkov),
         Some(shipped_drafter()),
         None,
     );
-    let (s, drafted, accepted) = sampled_tokens(&spec, prompt, N, LEN, &params);
+    let (s, drafted, accepted) = sampled_tokens(&spec, prompt, 0..N, LEN, &params);
     assert!(p.iter().chain(&s).all(|x| x.len() == LEN));
     let (chi, dof) = homogeneity(&p, &s, 0..LEN);
     let pv = chi_square_p(chi, dof);
@@ -783,6 +820,42 @@ fn sampled_speculation_through_the_engine_follows_the_plain_law() {
     assert!(
         pv > 1e-4,
         "speculative tokens do not follow the plain law: p = {pv:.2e}"
+    );
+    // Prompt lookup blocks (point-mass drafts) beside the drafter, on a prompt that repeats
+    // itself (the target follows the repetition with probabilities ~0.3-0.9, so lookup
+    // blocks are both accepted and rejected), with verification free and drafting slow so
+    // that lookup is verified wherever it finds a match: the same law. Other seeds than the
+    // plain run's, so that no two samples share their random draws.
+    let prompt = "Monday, Tuesday, Wednesday, Thursday, Friday, Monday, Tuesday, Wednesday, \
+                  Thursday, Friday, Monday, Tuesday,";
+    let (p2, _, _) = {
+        let plain = start(cfg(Speculation::None), None, None);
+        sampled_tokens(&plain, prompt, 0..N, LEN, &params)
+    };
+    let slow_drafter = |id: &str| table_json(id, |_| 100.0, 20.0);
+    let lookup = start(
+        EngineConfig {
+            policy: VerifyPolicy::Dspark { gamma: 4 },
+            ..cfg(Speculation::DSparkMarkov)
+        },
+        Some(shipped_drafter()),
+        Some(&slow_drafter),
+    );
+    let (s2, drafted, accepted) = sampled_tokens(&lookup, prompt, N..2 * N, LEN, &params);
+    let m = lookup.metrics.render();
+    let blocks = common::metric(&m, "dspark_spec_decode_lookup_drafts_total");
+    let (chi, dof) = homogeneity(&p2, &s2, 0..LEN);
+    let pv = chi_square_p(chi, dof);
+    println!(
+        "sampled lookup vs plain: chi2 {chi:.1} over {dof} dof, p = {pv:.3e}; {blocks} lookup blocks, {accepted}/{drafted} drafts accepted"
+    );
+    assert!(
+        blocks > N as f64 && accepted * 5 > drafted && accepted * 5 < 4 * drafted,
+        "{blocks} lookup blocks, {accepted}/{drafted} drafts accepted"
+    );
+    assert!(
+        pv > 1e-4,
+        "speculative tokens with prompt lookup do not follow the plain law: p = {pv:.2e}"
     );
     let (chi, dof) = homogeneity(&p, &c, 0..LEN);
     let pc = chi_square_p(chi, dof);

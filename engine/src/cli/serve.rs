@@ -101,6 +101,12 @@ pub struct ServeArgs {
     /// calibration data.
     #[arg(long, env = cenv::ONLINE_CALIBRATION, default_value_t = dspark_engine::speculative::recalibrate::DEFAULT_STEP)]
     pub online_calibration: f32,
+    /// Prompt lookup beside a model drafter (dspark-*, parallel): a sequence whose last
+    /// tokens occur earlier in its context verifies the continuation found there instead of
+    /// the drafter's block when that promises more tokens per second (rates learnt live per
+    /// match length). `false` turns it off.
+    #[arg(long, env = "DSPARK_PROMPT_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prompt_lookup: bool,
     /// Turn off automatic prefix caching (full prompt blocks shared by content between
     /// requests and kept after them until the cache needs the room).
     #[arg(long, env = "DSPARK_NO_PREFIX_CACHE")]
@@ -256,6 +262,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             online_calibration: a.online_calibration,
             experiment,
             prefix_cache: !a.no_prefix_cache,
+            prompt_lookup: a.prompt_lookup,
             faults: Default::default(),
         },
         show_progress: true,

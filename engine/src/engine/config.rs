@@ -27,6 +27,8 @@ pub struct EngineConfig {
     pub experiment: Option<(Vec<Arm>, Duration)>,
     /// Automatic prefix caching of full prompt blocks (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// Prompt lookup beside a model drafter ([`crate::speculative::lookup`]).
+    pub prompt_lookup: bool,
     /// Test-only fault injection (no flag sets it): see [`Faults`].
     #[doc(hidden)]
     pub faults: Faults,
@@ -130,6 +132,7 @@ impl Default for EngineConfig {
             online_calibration: crate::speculative::recalibrate::DEFAULT_STEP,
             experiment: None,
             prefix_cache: true,
+            prompt_lookup: true,
             faults: Faults::default(),
         }
     }

@@ -107,6 +107,7 @@ impl Engine {
                 cfg.speculation,
                 cfg.policy.clone(),
                 cfg.online_calibration,
+                cfg.prompt_lookup,
                 None,
                 metrics.clone(),
             ),
@@ -134,6 +135,7 @@ impl Engine {
             self.cfg.speculation,
             self.cfg.policy.clone(),
             self.cfg.online_calibration,
+            self.cfg.prompt_lookup,
             Some(drafter),
             self.metrics.clone(),
         );

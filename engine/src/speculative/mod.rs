@@ -25,6 +25,7 @@ pub mod clock;
 pub mod context;
 pub mod dspark;
 pub mod gate;
+pub mod lookup;
 pub mod ngram;
 pub mod proposer;
 pub mod recalibrate;

@@ -44,26 +44,53 @@ impl Proposer for NgramProposer {
 /// Proposes up to `k` tokens for `tokens` (prompt + generated so far), trying suffix
 /// lengths from `max_n` down to `min_n`.
 pub fn propose(tokens: &[u32], k: usize, min_n: usize, max_n: usize) -> Vec<u32> {
+    lookup(tokens, k, min_n, max_n).map_or_else(Vec::new, |(_, t)| t)
+}
+
+/// The longest suffix of `tokens` (`max_n` down to `min_n`) that occurred earlier, and up to
+/// `k` tokens that followed its most recent occurrence: `(suffix length, continuation)`.
+/// One backward scan: every earlier occurrence of the last token is extended backwards.
+pub fn lookup(tokens: &[u32], k: usize, min_n: usize, max_n: usize) -> Option<(usize, Vec<u32>)> {
     let len = tokens.len();
-    for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
-        let suffix = &tokens[len - n..];
-        // Most recent match that is not the suffix itself.
-        for start in (0..len - n).rev() {
-            if &tokens[start..start + n] == suffix {
-                let from = start + n;
-                let to = (from + k).min(len);
-                if to > from {
-                    return tokens[from..to].to_vec();
-                }
+    let (&last, _) = tokens.split_last()?;
+    let mut best: Option<(usize, usize)> = None;
+    // `end`: the last position of an earlier occurrence (never the suffix itself).
+    for end in (0..len - 1).rev() {
+        if tokens[end] != last {
+            continue;
+        }
+        let n = (1..max_n.min(end + 1))
+            .take_while(|&d| tokens[end - d] == tokens[len - 1 - d])
+            .count()
+            + 1;
+        if best.is_none_or(|(m, _)| n > m) {
+            best = Some((n, end));
+            if n >= max_n {
+                break;
             }
         }
     }
-    Vec::new()
+    let (n, end) = best.filter(|&(n, _)| n >= min_n.max(1))?;
+    let to = (end + 1 + k).min(len);
+    Some((n, tokens[end + 1..to].to_vec()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn naive(tokens: &[u32], k: usize, min_n: usize, max_n: usize) -> Option<(usize, Vec<u32>)> {
+        let len = tokens.len();
+        for n in (min_n..=max_n.min(len.saturating_sub(1))).rev() {
+            let suffix = &tokens[len - n..];
+            for start in (0..len - n).rev() {
+                if &tokens[start..start + n] == suffix {
+                    return Some((n, tokens[start + n..(start + n + k).min(len)].to_vec()));
+                }
+            }
+        }
+        None
+    }
 
     #[test]
     fn finds_the_latest_longest_match() {
@@ -72,5 +99,26 @@ mod tests {
         assert_eq!(propose(&t, 5, 1, 3), vec![5, 6, 1, 2, 3]);
         assert!(propose(&[1, 2, 3], 4, 1, 3).is_empty());
         assert_eq!(propose(&[7, 8, 7], 3, 1, 2), vec![8, 7]);
+        assert_eq!(lookup(&t, 2, 1, 3), Some((3, vec![5, 6])));
+        assert_eq!(lookup(&t, 2, 4, 6), None);
+        // Against the definition: for each suffix length, longest first, the most recent
+        // earlier occurrence.
+        let mut x = 12345u32;
+        for _ in 0..2000 {
+            let t: Vec<u32> = (0..40)
+                .map(|_| {
+                    x = x.wrapping_mul(1103515245).wrapping_add(12345);
+                    (x >> 16) % 3
+                })
+                .collect();
+            for len in 1..=t.len() {
+                assert_eq!(
+                    lookup(&t[..len], 4, 2, 5),
+                    naive(&t[..len], 4, 2, 5),
+                    "{:?}",
+                    &t[..len]
+                );
+            }
+        }
     }
 }

@@ -21,6 +21,7 @@ use super::context::DrafterContext;
 pub use super::context::{Drafter, DETACH_ROWS};
 pub use super::gate::DRAFT_PROBE;
 use super::gate::{decide, GateInput, Verdict};
+use super::lookup::LookupAssist;
 use super::ngram::NgramProposer;
 use super::proposer::{DraftInput, ModelProposer, Proposer};
 pub use super::proposer::{FEED_BACKLOG_ROWS, FEED_ROWS_PER_CALL};
@@ -77,14 +78,25 @@ pub struct Verified<'a> {
     pub accepted: usize,
 }
 
+/// A deterministic draft that was not verified (n-gram or lookup, verify length 0), kept to
+/// be checked against the tokens the target commits next. For a point-mass draft the chance
+/// that the target's own token matches is exactly the chance verification would have
+/// accepted it, so the live acceptance rates stay honest while the scheduler is not
+/// verifying.
+struct Shadow {
+    /// Position of its first token.
+    start: usize,
+    tokens: Vec<u32>,
+    /// A lookup block beside a model drafter (its match-length bucket), else the n-gram
+    /// drafter's.
+    bucket: Option<usize>,
+}
+
 /// One sequence's speculation state besides its drafter context.
 struct SeqState {
-    /// A deterministic draft that was not verified (n-gram, verify length 0), kept to be
-    /// checked against the tokens the target commits next: `(position of its first token,
-    /// tokens)`. For a point-mass draft the chance that the target's own token matches is
-    /// exactly the chance verification would have accepted it, so the live acceptance rates
-    /// stay honest while the scheduler is not verifying.
-    shadow: Option<(usize, Vec<u32>)>,
+    shadow: Option<Shadow>,
+    /// This step's block came from prompt lookup beside the model drafter (its bucket).
+    lookup: Option<usize>,
     /// This sequence's own recent acceptance.
     own: AcceptanceStats,
     /// Step counter value when it last drafted (probe order).
@@ -95,6 +107,7 @@ impl SeqState {
     fn new(positions: usize) -> Self {
         Self {
             shadow: None,
+            lookup: None,
             own: AcceptanceStats::new(positions, OWN_HALF_LIFE),
             last_drafted: 0,
         }
@@ -117,6 +130,8 @@ pub struct Speculator {
     proposer: Option<Box<dyn Proposer>>,
     /// The model drafter and every sequence's context in it.
     context: Option<DrafterContext>,
+    /// Prompt lookup beside the model drafter (`--prompt-lookup`).
+    lookup: Option<LookupAssist>,
     seqs: HashMap<u64, SeqState>,
     /// Live per-position acceptance over all sequences.
     acceptance: AcceptanceStats,
@@ -136,11 +151,13 @@ pub struct Speculator {
 }
 
 impl Speculator {
-    /// `online_calibration`: SGD step of the recalibration (0: off), model drafters only.
+    /// `online_calibration`: SGD step of the recalibration (0: off), model drafters only;
+    /// `prompt_lookup`: lookup blocks beside a model drafter ([`super::lookup`]).
     pub fn new(
         kind: Speculation,
         policy: VerifyPolicy,
         online_calibration: f32,
+        prompt_lookup: bool,
         drafter: Option<Drafter>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -156,11 +173,13 @@ impl Speculator {
                 Some(Box::new(ModelProposer))
             }
         };
+        let lookup = (prompt_lookup && drafter.is_some()).then(LookupAssist::default);
         Self {
             kind,
             policy,
             proposer,
             context: drafter.map(DrafterContext::new),
+            lookup,
             seqs: HashMap::new(),
             acceptance: AcceptanceStats::new(64, 200.0),
             recal,
@@ -319,7 +338,8 @@ impl Speculator {
         out
     }
 
-    /// The gate, then the model proposer for the sequences it picked.
+    /// Prompt lookup where it is worth more than the model drafter ([`super::lookup`]),
+    /// then the gate and the model proposer for the other sequences.
     fn propose_with_model(
         &mut self,
         cands: &mut [Candidate<'_>],
@@ -327,22 +347,90 @@ impl Speculator {
         shape: StepShape,
         table: &ActiveTable,
     ) -> Result<Vec<Option<Proposal>>> {
+        let lookups = self.choose_lookups(cands, shape, table);
+        let mut blocks = self.propose_model(cands, target, shape, table, &lookups)?;
+        for (b, l) in blocks.iter_mut().zip(lookups) {
+            if l.is_some() {
+                *b = l;
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// The model drafter's cap for a sequence: 0 when its context is detached.
+    fn model_cap(&self, c: &Candidate<'_>) -> usize {
+        match &self.context {
+            Some(ctx) if !ctx.detached(c.id) => {
+                self.policy.gamma().min(ctx.block_size()).min(c.cap)
+            }
+            _ => 0,
+        }
+    }
+
+    /// Per candidate, its lookup block when lookup is on, finds a continuation and promises
+    /// more tokens per second than the model drafter (it then does not draft with the model
+    /// this step). Constrained outputs keep the model drafter (it proposes only what the
+    /// grammar allows). Every candidate's choice is noted for [`Speculator::commit`].
+    fn choose_lookups(
+        &mut self,
+        cands: &[Candidate<'_>],
+        shape: StepShape,
+        table: &ActiveTable,
+    ) -> Vec<Option<Proposal>> {
+        let mut out: Vec<Option<Proposal>> = (0..cands.len()).map(|_| None).collect();
+        let Some(assist) = self.lookup.as_ref() else {
+            return out;
+        };
+        let sps = self.priced(table, shape);
+        let clock = &self.clock;
+        let t_draft = |l: usize| clock.predict(table, 1, l);
+        let mut chosen = Vec::new();
+        for (i, c) in cands.iter().enumerate() {
+            if c.constraint.is_some() {
+                continue;
+            }
+            let Some(b) = assist.find(c.tokens, self.policy.gamma().min(c.cap)) else {
+                continue;
+            };
+            let rates = assist.rates(b.bucket, b.tokens.len());
+            let cap = self.model_cap(c);
+            let model = predicted_survival(&self.predicted_rates(c.id, cap), cap);
+            if LookupAssist::prefer(&rates, &model, shape.base_b, &sps, &t_draft) {
+                chosen.push((c.id, b.bucket));
+                out[i] = Some(assist.proposal(b));
+            }
+        }
+        let block = self.block();
+        for st in self.seqs.values_mut() {
+            st.lookup = None;
+        }
+        for (id, bucket) in chosen {
+            let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+            st.lookup = Some(bucket);
+        }
+        out
+    }
+
+    /// The gate, then the model proposer for the sequences it picked (none of those that
+    /// verify a lookup block this step).
+    fn propose_model(
+        &mut self,
+        cands: &mut [Candidate<'_>],
+        target: &Model,
+        shape: StepShape,
+        table: &ActiveTable,
+        lookups: &[Option<Proposal>],
+    ) -> Result<Vec<Option<Proposal>>> {
         let n = cands.len();
         let none = || -> Vec<Option<Proposal>> { (0..n).map(|_| None).collect() };
         let Some(ctx) = self.context.as_ref() else {
             return Ok(none());
         };
-        let gamma_max = self.policy.gamma().min(ctx.block_size());
         // Who may draft and how long.
         let caps: Vec<usize> = cands
             .iter()
-            .map(|c| {
-                if ctx.detached(c.id) {
-                    0
-                } else {
-                    gamma_max.min(c.cap)
-                }
-            })
+            .zip(lookups)
+            .map(|(c, l)| if l.is_some() { 0 } else { self.model_cap(c) })
             .collect();
         if caps.iter().all(|&c| c == 0) {
             return Ok(none());
@@ -528,12 +616,22 @@ impl Speculator {
             let Some(prop) = p.take() else {
                 continue;
             };
+            let st = self.seqs.get_mut(&id);
+            let bucket = st.as_ref().and_then(|st| st.lookup);
             if l > 0 {
                 *p = Some(prop.truncated(l));
-            } else if self.kind == Speculation::Ngram {
-                let st = self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
+            } else if self.kind == Speculation::Ngram || bucket.is_some() {
+                let st = match st {
+                    Some(st) => st,
+                    None => self.seqs.entry(id).or_insert_with(|| SeqState::new(block)),
+                };
+                st.lookup = None;
                 if st.shadow.is_none() {
-                    st.shadow = Some((n_tokens, prop.tokens));
+                    st.shadow = Some(Shadow {
+                        start: n_tokens,
+                        tokens: prop.tokens,
+                        bucket,
+                    });
                 }
             }
         }
@@ -558,6 +656,7 @@ impl Speculator {
             self.seqs.entry(id).or_insert_with(|| SeqState::new(block));
             c.commit(id, hidden, first_row, valid, cached)?;
         }
+        let lookup = self.seqs.get_mut(&id).and_then(|st| st.lookup.take());
         if let Some(v) = verified {
             let drafted = v.proposal.tokens.len();
             let accepted = v.accepted;
@@ -571,6 +670,15 @@ impl Speculator {
                         position: pos as u32,
                     })
                     .inc();
+            }
+            if let Some(bucket) = lookup {
+                // A lookup block: its own rates learn, not the model drafter's.
+                self.metrics.lookup_drafts.inc();
+                self.metrics.lookup_accepted_tokens.inc_by(accepted as u64);
+                if let Some(a) = self.lookup.as_mut() {
+                    a.record(bucket, drafted, accepted);
+                }
+                return Ok(());
             }
             if let Some(oc) = &mut self.recal {
                 let greedy = is_greedy(&v.proposal.q);
@@ -598,23 +706,29 @@ impl Speculator {
         let Some(st) = self.seqs.get_mut(&id) else {
             return;
         };
-        let Some((start, draft)) = &st.shadow else {
+        let Some(sh) = &st.shadow else {
             return;
         };
-        let known = tokens.len().saturating_sub(*start);
-        let matched = draft
+        let known = tokens.len().saturating_sub(sh.start);
+        let matched = sh
+            .tokens
             .iter()
-            .zip(&tokens[(*start).min(tokens.len())..])
+            .zip(&tokens[sh.start.min(tokens.len())..])
             .take_while(|(a, b)| a == b)
             .count();
-        if matched < known.min(draft.len()) {
+        let (verified, accepted) = if matched < known.min(sh.tokens.len()) {
             // First mismatch at `matched`: positions 0..=matched were decided.
-            st.shadow = None;
-            self.record_acceptance(None, matched + 1, matched);
-        } else if matched == draft.len() {
-            let n = draft.len();
-            st.shadow = None;
-            self.record_acceptance(None, n, n);
+            (matched + 1, matched)
+        } else if matched == sh.tokens.len() {
+            (matched, matched)
+        } else {
+            return;
+        };
+        let bucket = sh.bucket;
+        st.shadow = None;
+        match (bucket, self.lookup.as_mut()) {
+            (Some(b), Some(a)) => a.record(b, verified, accepted),
+            _ => self.record_acceptance(None, verified, accepted),
         }
     }
 

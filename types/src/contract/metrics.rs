@@ -88,6 +88,9 @@ pub const SPEC_ACCEPTED_TOKENS: Family =
     Family::new("dspark_spec_decode_num_accepted_tokens", Counter);
 pub const SPEC_ACCEPTED_PER_POS: Family =
     Family::new("dspark_spec_decode_num_accepted_tokens_per_pos", Counter);
+pub const LOOKUP_DRAFTS: Family = Family::new("dspark_spec_decode_lookup_drafts", Counter);
+pub const LOOKUP_ACCEPTED_TOKENS: Family =
+    Family::new("dspark_spec_decode_lookup_accepted_tokens", Counter);
 pub const VERIFY_LENGTH: Family = Family::new("dspark_spec_decode_verify_length", Histogram);
 pub const EXPECTED_TOKENS: Family = Family::new("dspark_scheduler_expected_tokens", Counter);
 pub const COMMITTED_TOKENS: Family = Family::new("dspark_scheduler_committed_tokens", Counter);
@@ -139,6 +142,8 @@ pub const ENGINE: &[Family] = &[
     SPEC_DRAFT_TOKENS,
     SPEC_ACCEPTED_TOKENS,
     SPEC_ACCEPTED_PER_POS,
+    LOOKUP_DRAFTS,
+    LOOKUP_ACCEPTED_TOKENS,
     VERIFY_LENGTH,
     EXPECTED_TOKENS,
     COMMITTED_TOKENS,
