@@ -46,9 +46,14 @@ def main():
                                if l.startswith(name) and not l.startswith("#"))
         drafted = get("dspark_spec_decode_num_draft_tokens_total")
         accepted = get("dspark_spec_decode_num_accepted_tokens_total")
+        blocks = get("dspark_spec_decode_num_drafts_total")
+        lookup = get("dspark_spec_decode_lookup_drafts_total")
+        lookup_acc = get("dspark_spec_decode_lookup_accepted_tokens_total")
         if drafted:
             print(f"\n{f.stem}: drafted {drafted:.0f}, accepted {accepted:.0f} "
-                  f"({100 * accepted / drafted:.1f} %)")
+                  f"({100 * accepted / drafted:.1f} %)"
+                  + (f"; prompt lookup: {lookup:.0f} of {blocks:.0f} blocks, "
+                     f"{lookup_acc:.0f} accepted tokens" if lookup else ""))
     try:
         import matplotlib
         matplotlib.use("Agg")
