@@ -224,9 +224,15 @@ def spec_board():
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_draft_tokens_total{{{ENGINE}}}[{RI}]))", "draft tokens {{model_name}} {{pool}}"),
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_num_accepted_tokens_total{{{ENGINE}}}[{RI}]))", "accepted {{model_name}} {{pool}}"),
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_draft_skipped_steps_total{{{ENGINE}}}[{RI}]))",
-         "steps with the drafter skipped {{model_name}} {{pool}}")],
+         "steps with the drafter skipped {{model_name}} {{pool}}"),
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_lookup_drafts_total{{{ENGINE}}}[{RI}]))",
+         "prompt-lookup drafts {{model_name}} {{pool}}"),
+        (f"sum by (model_name, pool) (rate(dspark_spec_decode_lookup_accepted_tokens_total{{{ENGINE}}}[{RI}]))",
+         "prompt-lookup accepted {{model_name}} {{pool}}")],
         description="Drafter skipped: steps where the dspark policy decoded plainly because the "
-        "model drafter's live acceptance could not pay for its own time (probing every 16th step).")
+        "model drafter's live acceptance could not pay for its own time (probing every 16th step). "
+        "Prompt lookup: verified blocks found in the sequence's own context instead of the "
+        "drafter's (serve --prompt-lookup), and their accepted tokens (also in the totals).")
     b.panel("Drafting steps and drafter calls / s", [
         (f"sum by (model_name, pool) (rate(dspark_spec_decode_draft_steps_total{{{ENGINE}}}[{RI}]))",
          "drafting steps {{model_name}} {{pool}}"),
