@@ -25,13 +25,18 @@ fn spawn(speculation: Speculation, policy: VerifyPolicy) -> Engine {
 }
 
 fn spawn_with(speculation: Speculation, policy: VerifyPolicy, startup_profile: bool) -> Engine {
+    let engine = EngineConfig {
+        speculation,
+        policy,
+        ..Default::default()
+    };
+    spawn_cfg(engine, startup_profile)
+}
+
+fn spawn_cfg(engine: EngineConfig, startup_profile: bool) -> Engine {
     let state = common::engine::start(AppOptions {
         served_model_name: Some("smollm2".into()),
-        engine: EngineConfig {
-            speculation,
-            policy,
-            ..Default::default()
-        },
+        engine,
         startup_profile,
         ..common::engine::options(common::smollm2())
     });
@@ -247,11 +252,15 @@ fn startup_profile_installs_a_measured_table() {
 fn the_dspark_policy_skips_a_drafter_that_does_not_pay() {
     let plain = spawn(Speculation::None, VerifyPolicy::Fixed { gamma: 4 });
     let (expected, _) = complete(&plain);
-    let e = spawn_with(
-        Speculation::DSparkMarkov,
-        VerifyPolicy::Dspark { gamma: 4 },
-        true,
-    );
+    // The model drafter alone: prompt lookup (on by default) would propose on some of these
+    // steps instead of the gate (tests/spec_lossless.rs covers it).
+    let cfg = EngineConfig {
+        speculation: Speculation::DSparkMarkov,
+        policy: VerifyPolicy::Dspark { gamma: 4 },
+        prompt_lookup: false,
+        ..Default::default()
+    };
+    let e = spawn_cfg(cfg, true);
     let (text, usage) = complete(&e);
     assert_eq!(text, expected);
     assert_eq!(usage["completion_tokens"], 24);
