@@ -78,19 +78,10 @@ impl LookupAssist {
         })
     }
 
-    /// Conditional acceptance rate of position `k` in `bucket`'s blocks. A position with
-    /// little evidence borrows the estimate of the one before it (as the model drafter's
-    /// predicted rates do), starting from 1/2.
+    /// Conditional acceptance rates of positions `0..len` in `bucket`'s blocks (the rule of
+    /// [`super::memory::predicted_rates`], no per-sequence memory).
     pub fn rates(&self, bucket: usize, len: usize) -> Vec<f32> {
-        let s = &self.stats[bucket.min(BUCKETS - 1)];
-        let mut prev = 0.5f64;
-        (0..len)
-            .map(|k| {
-                let (a, n) = s.counts(k);
-                prev = (a + 2.0 * prev) / (n + 2.0);
-                prev as f32
-            })
-            .collect()
+        super::memory::predicted_rates(&self.stats[bucket.min(BUCKETS - 1)], None, len)
     }
 
     /// The block as a proposal: point-mass drafts, its bucket's rates as confidences.

@@ -26,6 +26,7 @@ pub mod context;
 pub mod dspark;
 pub mod gate;
 pub mod lookup;
+pub mod memory;
 pub mod ngram;
 pub mod proposer;
 pub mod recalibrate;

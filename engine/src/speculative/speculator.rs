@@ -1,7 +1,8 @@
 //! The speculation component of the step loop: it owns the proposer (by role: n-gram or a
 //! model drafter, [`super::proposer`]), the model drafter's context ([`DrafterContext`]),
 //! every sequence's acceptance memory, the drafting gate's counters ([`super::gate`]), the
-//! live acceptance statistics and the online recalibration. The step loop calls four
+//! live acceptance statistics and the online recalibration (the per-sequence memory in
+//! [`super::memory`]). The step loop calls four
 //! methods on it:
 //!
 //! - [`Speculator::propose`]: the gate decides who drafts (draft time priced from the cost
@@ -22,6 +23,7 @@ pub use super::context::{Drafter, DETACH_ROWS};
 pub use super::gate::DRAFT_PROBE;
 use super::gate::{decide, GateInput, Verdict};
 use super::lookup::LookupAssist;
+use super::memory::{predicted_rates, SeqState, Shadow};
 use super::ngram::NgramProposer;
 use super::proposer::{DraftInput, ModelProposer, Proposer};
 pub use super::proposer::{FEED_BACKLOG_ROWS, FEED_ROWS_PER_CALL};
@@ -38,11 +40,6 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Half-life, in verified blocks, of a sequence's own acceptance memory.
-const OWN_HALF_LIFE: f64 = 8.0;
-/// Weight (pseudo-blocks) of the global rates in a sequence's predicted acceptance.
-const PRIOR_WEIGHT: f64 = 4.0;
 
 /// One decoding sequence of this step, as the step loop sees it.
 pub struct Candidate<'a> {
@@ -76,42 +73,6 @@ pub struct StepShape {
 pub struct Verified<'a> {
     pub proposal: &'a Proposal,
     pub accepted: usize,
-}
-
-/// A deterministic draft that was not verified (n-gram or lookup, verify length 0), kept to
-/// be checked against the tokens the target commits next. For a point-mass draft the chance
-/// that the target's own token matches is exactly the chance verification would have
-/// accepted it, so the live acceptance rates stay honest while the scheduler is not
-/// verifying.
-struct Shadow {
-    /// Position of its first token.
-    start: usize,
-    tokens: Vec<u32>,
-    /// A lookup block beside a model drafter (its match-length bucket), else the n-gram
-    /// drafter's.
-    bucket: Option<usize>,
-}
-
-/// One sequence's speculation state besides its drafter context.
-struct SeqState {
-    shadow: Option<Shadow>,
-    /// This step's block came from prompt lookup beside the model drafter (its bucket).
-    lookup: Option<usize>,
-    /// This sequence's own recent acceptance.
-    own: AcceptanceStats,
-    /// Step counter value when it last drafted (probe order).
-    last_drafted: u64,
-}
-
-impl SeqState {
-    fn new(positions: usize) -> Self {
-        Self {
-            shadow: None,
-            lookup: None,
-            own: AcceptanceStats::new(positions, OWN_HALF_LIFE),
-            last_drafted: 0,
-        }
-    }
 }
 
 /// What the last [`Speculator::propose`] decided (for tests and the trace).
@@ -312,30 +273,11 @@ impl Speculator {
         }
     }
 
-    /// Predicted conditional acceptance of sequence `id`'s positions: its own recent
-    /// outcomes, with the global rates as a prior of [`PRIOR_WEIGHT`] blocks. A position
-    /// with little evidence borrows the estimate of the position before it (acceptance
-    /// rarely rises along a block), not an uninformed 1/2: deep positions are verified
-    /// rarely, and an optimistic guess there would make the plan draft long blocks that
-    /// do not pay.
+    /// Predicted conditional acceptance of sequence `id`'s positions
+    /// ([`predicted_rates`]: its own outcomes, the global rates as prior).
     fn predicted_rates(&self, id: u64, gamma: usize) -> Vec<f32> {
         let own = self.seqs.get(&id).map(|s| &s.own);
-        let mut out = Vec::with_capacity(gamma);
-        let mut prev = 0.5f64;
-        for k in 0..gamma {
-            let (a, n) = self.acceptance.counts(k);
-            let g = (a + 2.0 * prev) / (n + 2.0);
-            let r = match own {
-                Some(o) => {
-                    let (a, n) = o.counts(k);
-                    (a + PRIOR_WEIGHT * g) / (n + PRIOR_WEIGHT)
-                }
-                None => g,
-            };
-            out.push(r as f32);
-            prev = g;
-        }
-        out
+        predicted_rates(&self.acceptance, own, gamma)
     }
 
     /// Prompt lookup where it is worth more than the model drafter ([`super::lookup`]),
@@ -709,19 +651,7 @@ impl Speculator {
         let Some(sh) = &st.shadow else {
             return;
         };
-        let known = tokens.len().saturating_sub(sh.start);
-        let matched = sh
-            .tokens
-            .iter()
-            .zip(&tokens[sh.start.min(tokens.len())..])
-            .take_while(|(a, b)| a == b)
-            .count();
-        let (verified, accepted) = if matched < known.min(sh.tokens.len()) {
-            // First mismatch at `matched`: positions 0..=matched were decided.
-            (matched + 1, matched)
-        } else if matched == sh.tokens.len() {
-            (matched, matched)
-        } else {
+        let Some((verified, accepted)) = sh.score(tokens) else {
             return;
         };
         let bucket = sh.bucket;
