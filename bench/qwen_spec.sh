@@ -14,7 +14,9 @@
 #   llama-draft3 llama-ngram" (also engine-ngram: prompt lookup, fixed 4; llama-draft2,
 #   llama-draft5; engine-dspark-alt: as engine-dspark with the drafter found in ALT_DRAFTERS,
 #   a drafter folder, e.g. the previous one for an old-vs-new sitting; engine-dspark-nolookup:
-#   as engine-dspark with --prompt-lookup false)  SETS="humaneval chat"
+#   as engine-dspark with --prompt-lookup false; engine-dspark-altbin: as engine-dspark served
+#   by the binary ALT_ENGINE_BIN, e.g. a build of the previous commit for an A/B in one
+#   sitting)  SETS="humaneval chat"
 #   ENGINE_ARGS (extra serve flags for both engine configurations, e.g. --cost-table T.json
 #   with a table `dspark-engine profile` measured once, instead of each start-up's profile)
 # Servers listen on 127.0.0.1 only. llama-server runs with --load-mode none (the VM keeps
@@ -54,6 +56,8 @@ start() {
     engine-dspark) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
     engine-dspark-alt) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" \
       --drafters "${ALT_DRAFTERS:?engine-dspark-alt needs ALT_DRAFTERS}" ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
+    engine-dspark-altbin) "${ALT_ENGINE_BIN:?engine-dspark-altbin needs ALT_ENGINE_BIN}" serve --model "$M" \
+      --host 127.0.0.1 --port "$PORT" ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
     engine-dspark-nolookup) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" --prompt-lookup false ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
     engine-ngram) "$BIN" serve --model "$M" --host 127.0.0.1 --port "$PORT" --speculation ngram ${ENGINE_ARGS:-} >"$log" 2>&1 & ;;
     llama-*)
